@@ -1,0 +1,115 @@
+"""``enn::pinned``: run one ATen op eagerly from inside a compiled graph.
+
+When the guard blames a node, enn recompiles the graph with that node replaced by
+``enn::pinned(spec, tensors, ints)``. Inductor cannot see into a custom op, so it
+calls it as an extern kernel: the node runs on the eager ATen kernel (its safe
+path) while every other node stays compiled and fused.
+
+``spec`` is self-describing JSON (the op's name and a template of its arguments),
+so a graph with pinned nodes survives the FX graph cache and a new process.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any, Optional
+
+import torch
+
+_TENSOR, _SYMINT, _LIST, _DTYPE, _DEVICE, _LAYOUT, _MEMFMT = "t", "s", "l", "dtype", "device", "layout", "mf"
+
+
+def encode_args(args: Any, kwargs: dict[str, Any], is_tensor, is_symint) -> tuple[str, list, list]:
+    """Split (args, kwargs) into a JSON template plus the tensor and SymInt leaves.
+
+    ``is_tensor`` / ``is_symint`` classify leaves (FX nodes at graph-rewrite time).
+    """
+    tensors: list[Any] = []
+    ints: list[Any] = []
+
+    def enc(x: Any) -> Any:
+        if is_tensor(x):
+            tensors.append(x)
+            return {_TENSOR: len(tensors) - 1}
+        if is_symint(x):
+            ints.append(x)
+            return {_SYMINT: len(ints) - 1}
+        if isinstance(x, (list, tuple)):
+            return {_LIST: [enc(v) for v in x]}
+        if isinstance(x, torch.dtype):
+            return {_DTYPE: str(x).removeprefix("torch.")}
+        if isinstance(x, torch.device):
+            return {_DEVICE: str(x)}
+        if isinstance(x, torch.layout):
+            return {_LAYOUT: str(x).removeprefix("torch.")}
+        if isinstance(x, torch.memory_format):
+            return {_MEMFMT: str(x).removeprefix("torch.")}
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise TypeError(f"enn::pinned cannot encode argument of type {type(x).__name__}")
+
+    template = {"args": enc(list(args)), "kwargs": {k: enc(v) for k, v in kwargs.items()}}
+    return template, tensors, ints
+
+
+def make_spec(op: torch._ops.OpOverload, template: dict) -> str:
+    return json.dumps({"op": op_name(op), **template}, sort_keys=True)
+
+
+def op_name(op: torch._ops.OpOverload) -> str:
+    """'aten.mm.default' for torch.ops.aten.mm.default."""
+    return f"{op.namespace}.{op._schema.name.split('::')[1]}.{op._overloadname}"
+
+
+def resolve_op(name: str) -> torch._ops.OpOverload:
+    ns, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, ns), packet), overload)
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode(spec: str) -> tuple[torch._ops.OpOverload, dict]:
+    data = json.loads(spec)
+    return resolve_op(data["op"]), data
+
+
+def _fill(x: Any, tensors: list, ints: list) -> Any:
+    if isinstance(x, dict):
+        if _TENSOR in x:
+            return tensors[x[_TENSOR]]
+        if _SYMINT in x:
+            return ints[x[_SYMINT]]
+        if _LIST in x:
+            return [_fill(v, tensors, ints) for v in x[_LIST]]
+        if _DTYPE in x:
+            return getattr(torch, x[_DTYPE])
+        if _DEVICE in x:
+            return torch.device(x[_DEVICE])
+        if _LAYOUT in x:
+            return getattr(torch, x[_LAYOUT])
+        if _MEMFMT in x:
+            return getattr(torch, x[_MEMFMT])
+    return x
+
+
+def _run(spec: str, tensors: list, ints: list) -> list[torch.Tensor]:
+    op, data = _decode(spec)
+    args = _fill(data["args"], tensors, ints)
+    kwargs = {k: _fill(v, tensors, ints) for k, v in data["kwargs"].items()}
+    out = op(*args, **kwargs)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    # A custom op may not return an alias of its inputs: views are materialized.
+    aliasing = [r.alias_info is not None for r in op._schema.returns]
+    return [o.clone() if (i < len(aliasing) and aliasing[i]) else o for i, o in enumerate(outs)]
+
+
+@torch.library.custom_op("enn::pinned", mutates_args=())
+def pinned(spec: str, tensors: list[Optional[torch.Tensor]], ints: list[int]) -> list[torch.Tensor]:
+    """Run the ATen op described by ``spec`` eagerly on ``tensors`` / ``ints``."""
+    return _run(spec, tensors, ints)
+
+
+@pinned.register_fake
+def _pinned_fake(spec: str, tensors: list, ints: list) -> list[torch.Tensor]:
+    return _run(spec, tensors, ints)
+

@@ -1,0 +1,93 @@
+"""The ``enn`` backend: what ``torch.compile(model, backend="enn")`` calls.
+
+Dynamo hands over one captured FX graph and its example inputs; enn compiles it with
+Inductor's ``compile_fx`` plus enn's passes, decompositions, lowerings and guard:
+
+    options -> compile_fx(decompositions = Inductor's + enn's,
+                          config_patches = mode + enn's joint / post-grad passes,
+                          inner_compile  = enn's: compile each fwd/bwd graph, wrap in the guard)
+
+Compile failures walk a ladder, each step recorded in the report: without the
+failing enn pass -> plain Inductor -> the graph runs eagerly.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import compat
+from .decompositions import decomposition_table
+from .graph_compiler import make_inner_compile
+from .guard.faults import parse_fault_spec
+from .options import Options
+from .passes import PassFailed, PassManager
+from .report import FallbackKind, report
+
+log = logging.getLogger(__name__)
+
+
+def enn(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+        options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """Compile ``gm`` for ``torch.compile(..., backend="enn", mode=..., options=...)``."""
+    opts = Options.from_sources(options, mode)
+    if opts.disable:
+        log.info("enn disabled (ENN_DISABLE / options['disable']): compiling with plain Inductor")
+        return compat.inductor_compile_fx(gm, example_inputs, config_patches=compat.mode_config_patches(opts.mode))
+    return compile_unit(gm, list(example_inputs), opts)
+
+
+def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Callable[..., Any]:
+    """Compile one Dynamo graph (a *unit*: its forward and backward graphs)."""
+    unit = report().new_unit()
+    t0 = time.perf_counter()
+    pristine = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # compile_fx may mutate the graph
+    while True:
+        try:
+            compiled = _compile_with_enn(_fresh(pristine), example_inputs, opts, unit)
+            log.info("enn compiled %s in %.2fs", unit, time.perf_counter() - t0)
+            return compiled
+        except PassFailed as exc:
+            if opts.guard == "strict":
+                raise
+            report().add_fallback(FallbackKind.COMPILE_ERROR, node="<pass>", phase="compile", graph=unit,
+                                  reason=str(exc), action=f"recompiling {unit} without enn pass {exc.pass_name!r}")
+            opts = opts.replace(**{exc.option: False})
+        except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
+            if opts.guard == "strict":
+                raise
+            report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=unit,
+                                  reason=f"{type(exc).__name__}: {str(exc).strip()[:300]}",
+                                  action=f"compiling {unit} with plain Inductor")
+            return _plain_inductor_or_eager(pristine, example_inputs, opts, unit)
+
+
+def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
+    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+
+def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str) -> Callable[..., Any]:
+    patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
+    patches["joint_custom_post_pass"] = PassManager(opts, unit, "joint")
+    patches["post_grad_custom_post_pass"] = PassManager(opts, unit, "post_grad")
+    if opts.emulate_precision_casts:
+        patches["emulate_precision_casts"] = True
+    inner = make_inner_compile(opts, unit, patches, parse_fault_spec(opts.fault_inject))
+    with compat.no_aot_autograd_cache():
+        return compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
+                                 decompositions=decomposition_table(opts.precision))
+
+
+def _plain_inductor_or_eager(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str) -> Callable[..., Any]:
+    try:
+        return compat.inductor_compile_fx(_fresh(gm), example_inputs, config_patches=compat.mode_config_patches(opts.mode))
+    except Exception as exc:  # noqa: BLE001
+        report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=unit,
+                              reason=f"plain Inductor failed too: {type(exc).__name__}: {str(exc).strip()[:300]}",
+                              action=f"{unit} runs eagerly")
+        return gm.forward

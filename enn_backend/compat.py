@@ -1,0 +1,131 @@
+"""Every private torch import enn uses, and every version branch, in one place.
+
+enn is tested on torch 2.13 (CPU, CI) and 2.11 (CUDA, the lent GPU machine).
+Each workaround says which torch versions need it and when it can go.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# --- Inductor entry points ---------------------------------------------------------
+from torch._inductor import config as inductor_config  # noqa: E402
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: E402
+from torch._inductor.decomposition import select_decomp_table  # noqa: E402
+from torch._functorch import config as functorch_config  # noqa: E402
+from torch._guards import TracingContext, tracing  # noqa: E402
+from torch._dynamo.utils import counters as dynamo_counters  # noqa: E402
+from torch._inductor.fx_passes.post_grad import remove_noop_ops  # noqa: E402
+from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: E402
+
+try:  # 2.6+: passes must be CustomGraphPass objects with a uuid() or the FX cache is bypassed
+    from torch._inductor.custom_graph_pass import CustomGraphPass  # noqa: E402
+except ImportError:  # pragma: no cover - torch < 2.6
+    class CustomGraphPass:  # type: ignore[no-redef]
+        def uuid(self) -> Any:
+            return None
+
+
+def mode_config_patches(mode: str) -> dict[str, Any]:
+    """Inductor config patches for a torch.compile ``mode=`` value (its Inductor meaning)."""
+    if mode in (None, "", "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """Inductor's own compile_fx (the exact path of ``backend="inductor"``)."""
+    return compile_fx(gm, example_inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def no_aot_autograd_cache() -> Iterator[None]:
+    """Compile without the AOTAutograd cache (the FX graph cache stays on).
+
+    An AOTAutograd cache hit skips ``inner_compile``, where enn installs its runtime
+    guard around each forward and backward graph; the guard would vanish on a warm
+    start. The FX graph cache (Inductor's codegen + C++/Triton compile, the costly
+    part) lives inside ``compile_fx_inner`` and keeps working.
+    """
+    with functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+def current_tracing_context() -> Any:
+    return TracingContext.try_get()
+
+
+@contextlib.contextmanager
+def tracing_context(ctx: Any) -> Iterator[None]:
+    """Re-enter the tracing context a graph was first compiled under (for recompiles)."""
+    if ctx is None:
+        yield
+        return
+    with tracing(ctx):
+        yield
+
+
+def hash_files(paths: list[str]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def fx_graph_cache_counters() -> dict[str, int]:
+    c = dynamo_counters["inductor"]
+    return {"hit": c.get("fxgraph_cache_hit", 0), "miss": c.get("fxgraph_cache_miss", 0), "bypass": c.get("fxgraph_cache_bypass", 0)}
+
+
+@contextlib.contextmanager
+def inductor_lowerings_patched(extra: dict[Any, Callable[..., Any]]) -> Iterator[None]:
+    """Install lowerings for enn's own ops only while enn compiles.
+
+    Inductor keeps lowerings in one global dict; enn adds entries on enter and
+    restores the dict on exit, so ``backend="inductor"`` never sees them.
+    """
+    from torch._inductor import lowering as L
+
+    saved = {op: L.lowerings.get(op, _MISSING) for op in extra}
+    L.lowerings.update(extra)
+    try:
+        yield
+    finally:
+        for op, old in saved.items():
+            if old is _MISSING:
+                L.lowerings.pop(op, None)
+            else:
+                L.lowerings[op] = old
+
+
+_MISSING = object()
+
+
+def fallback_lowering(op: Any) -> Callable[..., Any]:
+    """Inductor's extern-kernel fallback for ``op`` (what an op without a lowering gets)."""
+    from torch._inductor import lowering as L
+
+    return L.fallback_handler(op, add_to_fallback_set=False)
+
+
+def is_cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except Exception:  # noqa: BLE001 - optional dependency
+        return None

@@ -1,0 +1,188 @@
+"""Compiles one post-AOT graph (forward, backward or inference) for enn.
+
+AOT Autograd hands every graph it splits off to ``inner_compile``; enn's is
+:func:`make_inner_compile`. For each graph a :class:`GraphCompiler` keeps
+
+- the pristine ATen graph: the *eager copy* the guard re-runs, and the source of
+  every recompile (pins, fp32 promotion);
+- what Inductor needs to compile it again later (fake inputs, kwargs, the tracing
+  context, Inductor config), so the guard can recompile at run time;
+
+and builds compiled artifacts with this ladder: enn's rewrites + lowerings ->
+without enn's rewrites -> the eager graph. Every step down is recorded.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from . import compat
+from .guard import graph_edit as E
+from .guard.kernel_state import KernelState, graph_key, node_key, state_for
+from .guard.runtime import GuardedGraph
+from .options import Options
+from .report import FallbackKind, GraphRecord, report
+
+log = logging.getLogger(__name__)
+
+
+class GraphCompiler:
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict, *, opts: Options,
+                 unit: str, config_patches: dict, fault_specs: tuple) -> None:
+        self.opts = opts
+        self.unit = unit
+        self.kwargs = dict(kwargs)
+        self.phase = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
+        self.eager_gm = copy.deepcopy(gm)
+        self.example_inputs = list(example_inputs)
+        self.tracing_ctx = compat.current_tracing_context()
+        self.config_patches = config_patches
+        self.fault_specs = fault_specs
+        self.state: KernelState = state_for(opts)
+        self.record: GraphRecord = report().new_graph(unit, self.phase)
+        self.record.nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        self.compute_nodes = len(E.candidate_nodes(self.eager_gm))
+        self.record.compute_nodes = self.compute_nodes
+        self.pinned_names: frozenset[str] = self._pins_from_state()
+        self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
+        self._fp32_gm: fx.GraphModule | None = None
+
+    # ---------------------------------------------------------------- helpers
+    def node(self, name: str) -> fx.Node:
+        return next(n for n in self.eager_gm.graph.nodes if n.name == name)
+
+    def pinned_now(self, extra: frozenset[str] = frozenset()) -> frozenset[str]:
+        return self.pinned_names | extra
+
+    def fp32_gm(self) -> fx.GraphModule:
+        if self._fp32_gm is None:
+            self._fp32_gm = E.promote_to_fp32(self.eager_gm)
+        return self._fp32_gm
+
+    def _pins_from_state(self) -> frozenset[str]:
+        pins = []
+        for n in E.candidate_nodes(self.eager_gm):
+            entry = self.state.lookup(node_key(n))
+            if entry is not None and entry.action == "pinned":
+                pins.append(n.name)
+        if pins:
+            report().add_fallback(
+                FallbackKind.PINNED_FROM_STATE, node=",".join(pins), phase=self.phase, graph=self.record,
+                reason=f"kernel state in {self.state.path} records faults for these kernels",
+                action=f"compiled with {len(pins)} node(s) pinned to eager", level=logging.INFO)
+        return frozenset(pins)
+
+    def eager_callable(self) -> Callable[[list], Any]:
+        gm = self.eager_gm
+
+        def run(args: list) -> Any:
+            inputs = list(args)
+            args.clear()
+            return list(gm(*inputs))
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    # ---------------------------------------------------------------- building
+    def build(self, extra_pins: frozenset[str] = frozenset(), fp32: bool | None = None, quiet: bool = False) -> Callable[[list], Any]:
+        """Compile the graph with the current pins (+ ``extra_pins``), down the ladder."""
+        fp32 = self.fp32 if fp32 is None else fp32
+        pins = self.pinned_now(extra_pins)
+        base = self.fp32_gm() if fp32 else self.eager_gm
+        gm = E.pin_nodes(base, pins)
+        gm, planted = E.plant_faults(gm, self.fault_specs, self.phase, skip=pins)
+        t0 = time.perf_counter()
+        try:
+            compiled = self._compile(gm, enn=True)
+            path = "inductor"
+        except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
+            if self.opts.guard == "strict":
+                raise
+            report().add_fallback(
+                FallbackKind.COMPILE_ERROR, node=_blame_from_exception(exc, planted), phase="compile", graph=self.record,
+                reason=f"{type(exc).__name__}: {_first_line(exc)}",
+                action="recompiled this graph without enn's rewrites and lowerings")
+            try:
+                compiled = self._compile(E.pin_nodes(base, pins), enn=False)
+                path = "inductor-without-enn"
+            except Exception as exc2:  # noqa: BLE001
+                report().add_fallback(
+                    FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=self.record,
+                    reason=f"{type(exc2).__name__}: {_first_line(exc2)}",
+                    action="this graph runs eagerly (ATen ops, no Inductor)")
+                compiled = self.eager_callable()
+                path = "eager"
+        if not quiet:
+            self.record.compile_time_s += time.perf_counter() - t0
+            self.record.path = path
+            self.record.compiled_nodes = 0 if path == "eager" else self.compute_nodes - len(pins)
+            self.record.pinned = sorted(pins)
+        return compiled
+
+    def _compile(self, gm: fx.GraphModule, *, enn: bool) -> Any:
+        from enn_backend.lowerings import enn_lowerings
+
+        patches = dict(self.config_patches)
+        if not enn:
+            for key in ("post_grad_custom_post_pass", "post_grad_custom_pre_pass"):
+                patches.pop(key, None)
+        with compat.tracing_context(self.tracing_ctx), compat.inductor_config.patch(patches), enn_lowerings(enabled=enn):
+            return compat.compile_fx_inner(gm, self.example_inputs, **self.kwargs)
+
+    def adopt(self, compiled: Any, pins: frozenset[str] = frozenset(), fp32: bool = False) -> None:
+        """Make a recompiled artifact (with ``pins`` / fp32) the graph's fast path."""
+        self.pinned_names = self.pinned_names | pins
+        self.fp32 = self.fp32 or fp32
+        self.record.pinned = sorted(self.pinned_names)
+        self.record.compiled_nodes = self.compute_nodes - len(self.pinned_names)
+        self.record.counters["recompiles"] = self.record.counters.get("recompiles", 0) + 1
+
+    def write_repro(self, **info: Any) -> None:
+        if not self.opts.repro:
+            return
+        try:
+            from .debug.repro import write_repro
+        except ImportError:
+            return
+        try:
+            path = write_repro(self, **info)
+            if path:
+                self.record.events.append({"repro": path})
+                log.warning("enn: wrote repro script %s", path)
+        except Exception as exc:  # noqa: BLE001 - a failed repro must not break the run
+            log.warning("enn: could not write a repro script: %s: %s", type(exc).__name__, exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else ""
+
+
+def _blame_from_exception(exc: BaseException, planted: list[str]) -> str:
+    text = str(exc)
+    for name in planted:
+        if name in text:
+            return name
+    if "enn injected" in text and planted:
+        return ",".join(planted)
+    return "<graph>"
+
+
+def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_specs: tuple) -> Callable[..., Any]:
+    """The ``inner_compile`` enn gives compile_fx: compile, then wrap in the guard."""
+
+    def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        compiler = GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit,
+                                 config_patches=config_patches, fault_specs=fault_specs)
+        compiled = compiler.build()
+        if opts.guard == "off":
+            return compiled
+        return GuardedGraph(compiler, compiled, compiler.record)
+
+    return inner_compile

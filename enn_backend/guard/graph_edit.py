@@ -1,0 +1,247 @@
+"""Rewrites the guard applies to a post-AOT (ATen-level) graph before compiling it.
+
+- :func:`pin_nodes`      replace nodes by ``enn::pinned`` (run eagerly inside compiled code)
+- :func:`plant_faults`   insert ``enn::fault`` after nodes matching ENN_FAULT_INJECT
+- :func:`promote_to_fp32` run every fp16/bf16 computation of the graph in fp32, cast outputs back
+
+All three work on a copy and keep ``meta['val']`` current (Inductor lowers from it).
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .faults import FaultSpec, target_names
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SKIP_TARGETS = {operator.getitem}
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _tensors_in(val: Any) -> list[torch.Tensor]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v for v in val if isinstance(v, torch.Tensor)]
+    return []
+
+
+def is_pinnable(n: fx.Node) -> bool:
+    """A node that runs a kernel: an ATen/enn op with tensor outputs that is not a view."""
+    if n.op != "call_function" or n.target in _SKIP_TARGETS:
+        return False
+    target = n.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target.namespace == "enn" and target._schema.name in ("enn::fault", "enn::pinned"):
+        return False
+    if getattr(target, "is_view", False):
+        return False
+    if any(r.alias_info is not None for r in target._schema.returns):
+        return False  # in-place / out= / view ops
+    return bool(_tensors_in(_val(n)))
+
+
+def candidate_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if is_pinnable(n)]
+
+
+def fake_mode_of(gm: fx.GraphModule) -> Any:
+    for n in gm.graph.nodes:
+        for t in _tensors_in(_val(n)):
+            mode = getattr(t, "fake_mode", None)
+            if mode is not None:
+                return mode
+    return None
+
+
+def pin_nodes(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
+    """Copy of ``gm`` with the named nodes replaced by ``enn::pinned`` calls."""
+    from enn_backend.custom_ops import pinned as P
+
+    names = set(names)
+    gm = copy.deepcopy(gm)
+    if not names:
+        return gm
+    graph = gm.graph
+    mode = fake_mode_of(gm)
+    for n in list(graph.nodes):
+        if n.name not in names or not is_pinnable(n):
+            continue
+
+        def is_tensor(x: Any) -> bool:
+            return isinstance(x, fx.Node) and isinstance(_val(x), torch.Tensor)
+
+        def is_symint(x: Any) -> bool:
+            return isinstance(x, fx.Node) and isinstance(_val(x), torch.SymInt)
+
+        template, tensors, ints = P.encode_args(n.args, dict(n.kwargs), is_tensor, is_symint)
+        spec = P.make_spec(n.target, template)
+        with graph.inserting_before(n):
+            p = graph.call_function(torch.ops.enn.pinned.default, (spec, tensors, ints))
+        fake_args = ([_val(t) for t in tensors], [_val(i) for i in ints])
+        with mode:
+            p.meta["val"] = torch.ops.enn.pinned.default(spec, *fake_args)
+        p.meta["enn_pinned_from"] = n.name
+        if isinstance(_val(n), torch.Tensor):
+            with graph.inserting_after(p):
+                g = graph.call_function(operator.getitem, (p, 0))
+            g.meta["val"] = p.meta["val"][0]
+            n.replace_all_uses_with(g)
+        else:
+            n.replace_all_uses_with(p)
+        graph.erase_node(n)
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def plant_faults(
+    gm: fx.GraphModule, specs: Iterable[FaultSpec], phase: str, skip: Iterable[str] = ()
+) -> tuple[fx.GraphModule, list[str]]:
+    """Copy of ``gm`` with ``enn::fault`` planted after each matching node (not after ``skip``).
+
+    Returns the new graph and the names of the nodes that got a fault.
+    """
+    specs = [s for s in specs if s.phase == "compile" or s.applies_to(phase)]
+    skip = set(skip)
+    if not specs:
+        return gm, []
+    gm = copy.deepcopy(gm)
+    graph = gm.graph
+    planted: list[str] = []
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.name in skip or not is_pinnable(n):
+            continue
+        spec = next((s for s in specs if s.matches_target(n.target)), None)
+        if spec is None:
+            continue
+        out = n if isinstance(_val(n), torch.Tensor) else next(
+            (u for u in n.users if u.target is operator.getitem and u.args[1] == 0), None
+        )
+        if out is None or not _val(out).is_floating_point():
+            continue
+        with graph.inserting_after(out):
+            f = graph.call_function(torch.ops.enn.fault.default, (out, spec.planted_kind()))
+        f.meta["val"] = _val(out)
+        out.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
+        planted.append(n.name)
+    graph.lint()
+    gm.recompile()
+    return gm, planted
+
+
+def has_low_precision(gm: fx.GraphModule) -> bool:
+    return any(
+        t.dtype in LOW_PRECISION for n in gm.graph.nodes for t in _tensors_in(_val(n))
+    )
+
+
+def promote_to_fp32(gm: fx.GraphModule) -> fx.GraphModule:
+    """Copy of ``gm`` that computes in fp32 whatever it computed in fp16/bf16.
+
+    Low-precision inputs are cast up on entry, every dtype argument naming fp16/bf16
+    becomes fp32 (this undoes autocast's casts), and outputs are cast back to their
+    original dtype so the graph's callers see no change of contract.
+    """
+    gm = copy.deepcopy(gm)
+    graph = gm.graph
+    up = torch.ops.prims.convert_element_type.default
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, torch.dtype) and x in LOW_PRECISION:
+            return torch.float32
+        if isinstance(x, (list, tuple)):
+            return type(x)(fix(v) for v in x)
+        return x
+
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    for n in list(graph.nodes):
+        if n.op == "placeholder":
+            v = _val(n)
+            if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION:
+                with graph.inserting_after(n):
+                    c = graph.call_function(up, (n, torch.float32))
+                n.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+        elif n.op == "call_function" and n is not out_node:
+            if getattr(n.target, "_schema", None) is not None and n.target._schema.name == "aten::view" and len(n.args) == 2 and isinstance(n.args[1], torch.dtype):
+                continue  # a bitcast: its dtype is not a precision choice
+            n.args = fix(n.args)
+            n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+
+    outs = out_node.args[0]
+    new_outs = []
+    for o in outs:
+        v = _val(o)
+        if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION:
+            with graph.inserting_before(out_node):
+                o = graph.call_function(up, (o, v.dtype))
+        new_outs.append(o)
+    out_node.args = (type(outs)(new_outs),)
+    graph.lint()
+    gm.recompile()
+    _refresh_meta(gm)
+    return gm
+
+
+def _refresh_meta(gm: fx.GraphModule) -> None:
+    mode = fake_mode_of(gm)
+    if mode is None:
+        return
+    args = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+
+
+def mutated_input_indices(gm: fx.GraphModule) -> list[int]:
+    """Indices of placeholders the graph writes into (``copy_`` epilogues of AOT)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(placeholders)}
+    out = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            schema = n.target._schema
+            for arg, a in zip(schema.arguments, n.args):
+                if arg.alias_info is not None and arg.alias_info.is_write and a in index:
+                    out.add(index[a])
+    return sorted(out)
+
+
+def has_random_ops(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        tags = getattr(n.target, "tags", ())
+        if torch.Tag.nondeterministic_seeded in tags:
+            return True
+        if "seed" in str(n.target) or "rand" in str(n.target):
+            return True
+    return False
+
+
+def ancestors(gm: fx.GraphModule, outputs: Iterable[fx.Node]) -> set[str]:
+    seen: set[str] = set()
+    stack = [o for o in outputs if isinstance(o, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n.name in seen:
+            continue
+        seen.add(n.name)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def output_nodes(gm: fx.GraphModule) -> list[Any]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+
+
+def node_op_name(n: fx.Node) -> str:
+    names = target_names(n.target)
+    return names[1] if names else str(n.target)

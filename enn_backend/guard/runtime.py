@@ -1,0 +1,274 @@
+"""GuardedGraph: the callable that wraps each graph Inductor compiled for enn.
+
+AOT Autograd calls it with a boxed list of inputs (forward: primals; backward:
+saved tensors + tangents), and it returns the graph's outputs. On the fast path it
+adds one NaN/Inf screen of the outputs (one host sync) and, for graphs that write
+into their inputs, a copy of those inputs so a re-run never applies a mutation twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..report import FallbackKind, GraphRecord, report
+from . import graph_edit as E
+from .kernel_state import graph_key, node_key
+from .localize import localize
+
+log = logging.getLogger(__name__)
+
+
+class EnnGuardError(RuntimeError):
+    """Raised in ``guard="strict"`` mode instead of falling back."""
+
+
+def _flat_tensors(outs: Any) -> list[torch.Tensor]:
+    if isinstance(outs, torch.Tensor):
+        return [outs]
+    if isinstance(outs, (list, tuple)):
+        return [t for o in outs for t in _flat_tensors(o)]
+    return []
+
+
+def nonfinite_outputs(outs: Any) -> list[int]:
+    """Indices (in the flat output list) of floating outputs holding NaN/Inf.
+
+    One fp32 sum per output screens them with a single host sync; only when the
+    screen trips (a NaN/Inf, or a sum overflowing) is each output checked exactly.
+    """
+    flat = outs if isinstance(outs, (list, tuple)) else [outs]
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    if not idx:
+        return []
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for i in idx:
+        t = flat[i]
+        by_device.setdefault(t.device, []).append(t.sum(dtype=torch.float32) if t.dtype != torch.float64 else t.sum())
+    screens = [torch.isfinite(torch.stack(s)).all() for s in by_device.values()]
+    if all(bool(s) for s in screens):
+        return []
+    return [i for i in idx if not bool(torch.isfinite(flat[i]).all())]
+
+
+def _agree(flag: bool, device_hint: torch.device | None = None) -> bool:
+    """Under torch.distributed, the OR of ``flag`` over all ranks (every rank decides alike)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def _no_autocast() -> Any:
+    """The graphs are post-AOT: autocast's casts are already explicit in them."""
+    with torch.autocast("cpu", enabled=False):
+        if torch.cuda.is_available():
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
+
+
+class _RngSnapshot:
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+class GuardedGraph:
+    """Fast path + the fallback ladder for one compiled graph (see enn_backend.guard)."""
+
+    def __init__(self, compiler: "Any", compiled: Callable[[list], Any], record: GraphRecord) -> None:
+        self.compiler = compiler  # enn_backend.graph_compiler.GraphCompiler
+        self.compiled = compiled
+        self.record = record
+        self.opts = compiler.opts
+        self.mode = self.opts.guard
+        self.every = self.opts.guard_every
+        self.calls = 0
+        self.mutated = E.mutated_input_indices(compiler.eager_gm)
+        self.random = E.has_random_ops(compiler.eager_gm)
+        self.model_nonfinite_seen = False
+        self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
+
+    # --------------------------------------------------------------- fast path
+    def __call__(self, args: list) -> Any:
+        self.calls += 1
+        self.record.counters["calls"] = self.calls
+        check = self.mode != "exceptions" and self.calls % self.every == 0
+        inputs = list(args)  # the compiled code may clear `args` to free memory early
+        snapshot = [inputs[i].clone() for i in self.mutated] if self.mutated else None
+        rng = _RngSnapshot() if self.random else None
+        try:
+            out = self.compiled(args)
+        except torch.OutOfMemoryError:
+            raise  # not a kernel fault: eager would need the same memory
+        except Exception as exc:  # noqa: BLE001 - any kernel failure enters the ladder
+            if _distributed():
+                _agree(True)
+            return self._on_fault("exception", inputs, snapshot, rng, exc=exc)
+        bad = nonfinite_outputs(out) if check else []
+        if _distributed() and _agree(bool(bad)) and not bad:
+            bad = [-1]  # another rank faulted: take the same path
+        if bad:
+            return self._on_fault("nonfinite", inputs, snapshot, rng, bad=bad)
+        return out
+
+    # --------------------------------------------------------------- the ladder
+    def _restore(self, inputs: list, snapshot: list | None, rng: _RngSnapshot | None) -> None:
+        if snapshot is not None:
+            for i, saved in zip(self.mutated, snapshot):
+                inputs[i].copy_(saved)
+        if rng is not None:
+            rng.restore()
+
+    def _run_eager(self, gm: torch.fx.GraphModule, inputs: list) -> tuple[Any, BaseException | None]:
+        try:
+            with _no_autocast(), torch.no_grad():
+                out = gm(*inputs)
+            return list(out) if isinstance(out, (list, tuple)) else [out], None
+        except Exception as exc:  # noqa: BLE001
+            return None, exc
+
+    def _on_fault(self, kind: str, inputs: list, snapshot: list | None, rng: Any, exc: BaseException | None = None, bad: list | None = None) -> Any:
+        rec, phase, R = self.record, self.record.phase, report()
+        rec.counters["faults"] = rec.counters.get("faults", 0) + 1
+        R.count("guard.faults")
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else "NaN/Inf in compiled output"
+        self._restore(inputs, snapshot, rng)
+        eager_out, eager_exc = self._run_eager(self.compiler.eager_gm, inputs)
+        rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
+        if eager_exc is not None:
+            R.add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=phase, graph=rec,
+                           reason=f"{what}; the eager graph raises too ({type(eager_exc).__name__}: {eager_exc})",
+                           action="raised the model's own error")
+            raise eager_exc
+        eager_bad = bool(nonfinite_outputs(eager_out))
+        if _distributed():
+            eager_bad = _agree(eager_bad)
+        if kind == "exception" or not eager_bad:
+            return self._kernel_fault(kind, what, inputs, snapshot, rng, exc, eager_out, bad)
+        return self._eager_nonfinite(what, inputs, snapshot, rng, eager_out)
+
+    def _kernel_fault(self, kind, what, inputs, snapshot, rng, exc, eager_out, bad) -> Any:
+        rec, phase, R = self.record, self.record.phase, report()
+        t0 = time.perf_counter()
+
+        def still_faulty(pins: frozenset[str]) -> bool:
+            compiled = self.compiler.build(extra_pins=pins, quiet=True)
+            self._restore(inputs, snapshot, rng)
+            try:
+                out = compiled(list(inputs))
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:  # noqa: BLE001
+                return _agree(True) if _distributed() else True
+            faulty = kind == "nonfinite" and bool(nonfinite_outputs(out))
+            if _distributed():
+                faulty = _agree(faulty)
+            if not faulty:
+                trial_cache[pins] = compiled
+            return faulty
+
+        trial_cache: dict[frozenset[str], Any] = {}
+        groups = self._suspect_groups(kind, bad)
+        loc = localize(groups, still_faulty, self.opts.localize_budget)
+        elapsed = time.perf_counter() - t0
+        if loc is None:
+            nodes, action = "<graph>", "graph runs eagerly from now on (pinning every node did not remove the fault)"
+            new = self.compiler.eager_callable()
+            rec.path = "eager"
+        else:
+            nodes = ",".join(loc.pinned)
+            pins = frozenset(loc.pinned)
+            new = trial_cache.get(pins) or self.compiler.build(extra_pins=pins)
+            action = (f"pinned {len(loc.pinned)} node(s) to eager after {loc.trials} trial recompile(s) "
+                      f"in {elapsed:.1f}s; {self.compiler.compute_nodes - len(self.compiler.pinned_now(pins))} nodes stay compiled")
+            if loc.notes:
+                action += "; " + "; ".join(loc.notes)
+            for name in loc.pinned:
+                key = node_key(self.compiler.node(name))
+                if key:
+                    self.compiler.state.record(key, "pinned", exc, reason=what)
+        if self.mode == "strict":
+            raise EnnGuardError(
+                f"enn (guard=strict): {kind} in compiled graph {rec.id} (phase {phase}) at node(s) {nodes}: {what}. "
+                f"Eager gives a finite result, so the compiled kernel is at fault. Set guard='nonfinite' to fall back automatically."
+            ) from exc
+        R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action)
+        self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
+        self.compiled = new
+        self.compiler.write_repro(kind=kind, what=what, inputs=inputs, snapshot=snapshot, nodes=nodes)
+        return eager_out
+
+    def _suspect_groups(self, kind: str, bad: list | None) -> list[list[str]]:
+        """Suspects grouped by op; enn's own ops first, then the cone of the bad outputs."""
+        gm = self.compiler.eager_gm
+        cands = [n for n in E.candidate_nodes(gm) if n.name not in self.compiler.pinned_names]
+        if kind == "nonfinite" and bad and bad != [-1]:
+            outs = E.output_nodes(gm)
+            cone = E.ancestors(gm, [outs[i] for i in bad if i < len(outs)])
+            inside = [n for n in cands if n.name in cone]
+            cands = inside or cands
+        groups: dict[str, list[str]] = {}
+        for n in cands:
+            groups.setdefault(E.node_op_name(n), []).append(n.name)
+        return sorted(groups.values(), key=lambda g: (not g[0].startswith("enn"), 0))
+
+    def _eager_nonfinite(self, what, inputs, snapshot, rng, eager_out) -> Any:
+        rec, phase, R = self.record, self.record.phase, report()
+        if E.has_low_precision(self.compiler.eager_gm) and self.opts.precision:
+            fp32_gm = self.compiler.fp32_gm()
+            self._restore(inputs, snapshot, rng)
+            out32, exc32 = self._run_eager(fp32_gm, inputs)
+            ok = exc32 is None and not nonfinite_outputs(out32)
+            if _distributed():
+                ok = not _agree(not ok)
+            if ok:
+                if self.mode == "strict":
+                    raise EnnGuardError(
+                        f"enn (guard=strict): graph {rec.id} (phase {phase}) overflows in low precision ({what}); fp32 is finite."
+                    )
+                new = self.compiler.build(fp32=True)
+                self.compiler.adopt(new, fp32=True)
+                self.compiled = new
+                self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)
+                R.add_fallback(FallbackKind.PRECISION, node="<graph>", phase=phase, graph=rec,
+                               reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
+                               action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run")
+                rec.promotions.append({"node": "<graph>", "reason": "master-dtype retry: low precision overflowed"})
+                return out32
+        # The model's own NaN/Inf: eager makes it too. Return eager's result, blame nothing.
+        rec.counters["model_nonfinite"] = rec.counters.get("model_nonfinite", 0) + 1
+        if self.mode == "strict":
+            raise EnnGuardError(
+                f"enn (guard=strict): graph {rec.id} (phase {phase}) produces NaN/Inf in eager too: the model's own numerics, not a kernel fault."
+            )
+        if not self.model_nonfinite_seen:
+            self.model_nonfinite_seen = True
+            R.add_fallback(FallbackKind.MODEL_NONFINITE, node="<none>", phase=phase, graph=rec,
+                           reason="NaN/Inf in compiled output and in eager (fp32 too): the model's own numerics",
+                           action="returned eager's result unchanged; no kernel blamed (repeats counted, not re-logged)",
+                           level=logging.INFO)
+        R.count("guard.model_nonfinite")
+        return eager_out

@@ -1,0 +1,274 @@
+"""enn's options: one frozen object, parsed once per compile.
+
+Sources, lowest to highest precedence:
+
+1. the defaults below;
+2. ``torch.compile(..., options={...})``;
+3. ``ENN_*`` environment variables.
+
+The environment wins so that a user can flip enn's behaviour (``ENN_DISABLE=1``,
+``ENN_GUARD=strict``) to bisect a problem without editing the code that calls
+``torch.compile``. An unknown key or a bad value raises :class:`OptionsError`
+naming the valid choices; nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+GUARD_MODES = ("off", "exceptions", "nonfinite", "strict")
+ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "flex", "explicit")
+MASKED_ROW_MODES = ("eager", "zero")
+TAIL_MODES = ("auto", "on", "off")
+COMPILE_MODES = (
+    "default",
+    "reduce-overhead",
+    "max-autotune",
+    "max-autotune-no-cudagraphs",
+)
+
+
+class OptionsError(ValueError):
+    """An unknown option or an invalid option value."""
+
+
+def _meta(env: str, doc: str, codegen: bool = True, choices: tuple[str, ...] = ()) -> dict:
+    return {"env": env, "doc": doc, "codegen": codegen, "choices": choices}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every knob enn has. Each field names its environment variable."""
+
+    disable: bool = field(
+        default=False,
+        metadata=_meta("ENN_DISABLE", "Behave exactly like backend='inductor' (no enn passes, no guard)."),
+    )
+    guard: str = field(
+        default="nonfinite",
+        metadata=_meta(
+            "ENN_GUARD",
+            "Runtime guard of every compiled graph: off | exceptions | nonfinite | strict.",
+            codegen=False,
+            choices=GUARD_MODES,
+        ),
+    )
+    guard_every: int = field(
+        default=1,
+        metadata=_meta(
+            "ENN_GUARD_EVERY",
+            "Check outputs for NaN/Inf on every N-th call of a graph (exceptions are always caught).",
+            codegen=False,
+        ),
+    )
+    localize_budget: int = field(
+        default=8,
+        metadata=_meta(
+            "ENN_LOCALIZE_BUDGET",
+            "Most recompiles spent bisecting a fault to its culprit node(s); past it the remaining suspects are all pinned.",
+            codegen=False,
+        ),
+    )
+    fault_inject: str = field(
+        default="",
+        metadata=_meta(
+            "ENN_FAULT_INJECT",
+            "Test facility: '<op>:<raise|nan|inf>[:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code.",
+        ),
+    )
+    cache_dir: str = field(
+        default="",
+        metadata=_meta(
+            "ENN_CACHE_DIR",
+            "Where kernel state (pinned nodes, fail counts) is persisted as JSON. Empty: ~/.cache/enn.",
+            codegen=False,
+        ),
+    )
+    persist: bool = field(
+        default=True,
+        metadata=_meta("ENN_PERSIST", "Persist kernel state to cache_dir and load it at compile time.", codegen=False),
+    )
+    repro_dir: str = field(
+        default="enn_repros",
+        metadata=_meta("ENN_REPRO_DIR", "Where a standalone repro script is written for every blamed fault.", codegen=False),
+    )
+    repro: bool = field(
+        default=True,
+        metadata=_meta("ENN_REPRO", "Write repro scripts for blamed faults.", codegen=False),
+    )
+    attention: bool = field(
+        default=True,
+        metadata=_meta("ENN_ATTENTION", "Fuse hand-written attention into enn::attention."),
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=_meta(
+            "ENN_ATTENTION_BACKEND",
+            "Force one attention kernel; an impossible choice falls back with a recorded reason.",
+            choices=ATTENTION_BACKENDS,
+        ),
+    )
+    attention_order: str = field(
+        default="",
+        metadata=_meta(
+            "ENN_ATTENTION_ORDER",
+            "Comma-separated preference order of attention kernels (e.g. 'flash,cudnn,efficient,math'). Empty: enn's policy.",
+        ),
+    )
+    masked_rows: str = field(
+        default="eager",
+        metadata=_meta(
+            "ENN_MASKED_ROWS",
+            "Rows whose keys are all masked: 'eager' keeps eager's NaN, 'zero' returns 0.",
+            choices=MASKED_ROW_MODES,
+        ),
+    )
+    epilogue: bool = field(
+        default=True,
+        metadata=_meta("ENN_EPILOGUE", "Fuse GEMM + bias + activation into enn::gemm_bias_act."),
+    )
+    precision: bool = field(
+        default=True,
+        metadata=_meta("ENN_PRECISION", "Keep low-precision softmax/norm/reduction math in fp32 (decompositions and pass)."),
+    )
+    fp32_tail: str = field(
+        default="auto",
+        metadata=_meta(
+            "ENN_FP32_TAIL",
+            "Run the output tail (final norm + projection) in fp32: auto | on | off.",
+            choices=TAIL_MODES,
+        ),
+    )
+    emulate_precision_casts: bool = field(
+        default=False,
+        metadata=_meta(
+            "ENN_EMULATE_PRECISION_CASTS",
+            "Match eager's low-precision rounding where Inductor can (Inductor's emulate_precision_casts).",
+        ),
+    )
+    mode: str = field(
+        default="default",
+        metadata=_meta(
+            "ENN_MODE",
+            "Inductor mode, as torch.compile(mode=...).",
+            choices=COMPILE_MODES,
+        ),
+    )
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_sources(
+        cls,
+        options: Mapping[str, Any] | None = None,
+        mode: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> "Options":
+        """Build options from defaults, then ``options=``, then ``ENN_*`` env vars."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        if mode is not None:
+            values["mode"] = _coerce(_field("mode"), mode, "mode=")
+        for key, raw in (options or {}).items():
+            if key not in cls.names():
+                raise OptionsError(
+                    f"enn: unknown option {key!r}. Valid options: {', '.join(cls.names())}"
+                )
+            values[key] = _coerce(_field(key), raw, f"options[{key!r}]")
+        known_env = {f.metadata["env"]: f for f in fields(cls)}
+        for name, raw in environ.items():
+            if not name.startswith("ENN_"):
+                continue
+            f = known_env.get(name)
+            if f is None:
+                if name in _NON_OPTION_ENV:
+                    continue
+                raise OptionsError(
+                    f"enn: unknown environment variable {name}. Valid: {', '.join(sorted(known_env))}"
+                )
+            values[f.name] = _coerce(f, raw, name)
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.guard_every < 1:
+            raise OptionsError(f"enn: guard_every must be >= 1, got {self.guard_every}")
+        if self.localize_budget < 0:
+            raise OptionsError(f"enn: localize_budget must be >= 0, got {self.localize_budget}")
+        if self.attention_order:
+            for name in self.attention_order.split(","):
+                if name.strip() not in ATTENTION_BACKENDS[1:]:
+                    raise OptionsError(
+                        f"enn: attention_order entry {name!r} is not one of {', '.join(ATTENTION_BACKENDS[1:])}"
+                    )
+        if self.fault_inject:
+            from .guard.faults import parse_fault_spec
+
+            parse_fault_spec(self.fault_inject)  # raises OptionsError on a bad spec
+
+    # ------------------------------------------------------------------ hashing
+    def codegen_hash(self) -> str:
+        """Hash of the options that change generated code; feeds every pass uuid()."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["codegen"]}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+    def resolved_cache_dir(self) -> str:
+        return self.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "enn")
+
+
+# ENN_* variables that are not options (read by tools, not by the backend).
+_NON_OPTION_ENV = frozenset({"ENN_TEST_GPU", "ENN_BENCH_OUT", "ENN_DEBUG_GRAPHS"})
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _field(name: str) -> dataclasses.Field:
+    return next(f for f in fields(Options) if f.name == name)
+
+
+def _coerce(f: dataclasses.Field, raw: Any, where: str) -> Any:
+    """Convert ``raw`` to the field's type, or raise naming the valid choices."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+            return raw.strip().lower() in _TRUE
+        if isinstance(raw, int) and raw in (0, 1):
+            return bool(raw)
+        raise OptionsError(f"enn: {where} must be a boolean (1/0, true/false), got {raw!r}")
+    if kind == "int":
+        try:
+            if isinstance(raw, bool):
+                raise ValueError
+            return int(raw)
+        except (TypeError, ValueError):
+            raise OptionsError(f"enn: {where} must be an integer, got {raw!r}") from None
+    if not isinstance(raw, str):
+        raise OptionsError(f"enn: {where} must be a string, got {type(raw).__name__} {raw!r}")
+    value = raw.strip()
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        raise OptionsError(f"enn: {where} must be one of {', '.join(choices)}; got {raw!r}")
+    return value
+
+
+def options_table() -> list[tuple[str, str, str, str]]:
+    """(option, env var, default, description) rows, for the README and `doctor`."""
+    return [
+        (f.name, f.metadata["env"], repr(f.default), f.metadata["doc"]) for f in fields(Options)
+    ]

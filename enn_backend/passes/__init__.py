@@ -1,0 +1,146 @@
+"""enn's FX passes: one pattern family per module, run in one fixed order.
+
+Each pass is a small class (:class:`EnnPass`) with ``__call__(graph, ctx) -> matches``,
+the option that switches it, and the stage it runs at. :class:`PassManager` runs
+the passes of a stage as one ``CustomGraphPass`` whose ``uuid()`` hashes every file
+that decides enn's graphs (passes, patterns, decompositions, lowerings, custom ops)
+plus the options that change code, so Inductor's FX graph cache stays correct and on.
+
+Graph invariants every pass keeps: the graph stays functional (no new mutation or
+aliasing), ``meta['val']`` is current on every node it creates, and a pass that
+raises leaves enn to recompile the graph without it (recorded in the report).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch.fx as fx
+
+from .. import compat
+from ..options import Options
+from ..report import report
+
+log = logging.getLogger(__name__)
+
+
+class PassFailed(RuntimeError):
+    """A pass raised; the backend recompiles the graph without it."""
+
+    def __init__(self, pass_name: str, option: str, cause: BaseException) -> None:
+        super().__init__(f"enn pass {pass_name!r} failed: {type(cause).__name__}: {cause}")
+        self.pass_name = pass_name
+        self.option = option
+        self.cause = cause
+
+
+@dataclass
+class PassContext:
+    """What a pass may record: fusions, kernel choices and precision promotions."""
+
+    opts: Options
+    unit: str
+    stage: str
+
+    def fusion(self, kind: str, count: int = 1) -> None:
+        report().add_unit_fusion(self.unit, kind, count)
+
+    def kernel_choice(self, node: str, choice: str, reason: str, **extra: Any) -> None:
+        report().add_unit_kernel_choice(self.unit, {"node": node, "choice": choice, "reason": reason, **extra})
+
+    def promotion(self, node: str, reason: str, **extra: Any) -> None:
+        report().add_unit_promotion(self.unit, {"node": node, "reason": reason, **extra})
+
+
+class EnnPass:
+    """Base class of enn's passes."""
+
+    name: ClassVar[str] = ""
+    option: ClassVar[str] = ""  # the Options field that switches the pass on/off
+    stage: ClassVar[str] = "joint"  # joint | post_grad
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def sources(cls) -> list[str]:
+        import sys
+
+        return [sys.modules[cls.__module__].__file__]
+
+
+def registered_passes() -> list[type[EnnPass]]:
+    """All enn passes in run order.
+
+    Ordering rules:
+    - attention first: it must see softmax/masked_fill before precision rewrites them.
+    - epilogue before precision: it matches addmm + activation as Inductor emits them.
+    - precision last: it promotes whatever low-precision reductions remain.
+    """
+    return []
+
+
+def enn_source_files() -> list[str]:
+    """Every file whose content decides what enn does to a graph."""
+    root = os.path.dirname(os.path.dirname(__file__))
+    files = glob.glob(os.path.join(root, "passes", "*.py"))
+    files += glob.glob(os.path.join(root, "*.py"))
+    files += glob.glob(os.path.join(root, "guard", "*.py"))
+    from enn_backend import custom_ops, lowerings
+
+    files += glob.glob(os.path.join(os.path.dirname(custom_ops.__file__), "*.py"))
+    files += lowerings.lowering_sources()
+    return sorted(set(files))
+
+
+_SOURCE_HASH: str | None = None
+
+
+def source_hash() -> str:
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        _SOURCE_HASH = compat.hash_files(enn_source_files())
+    return _SOURCE_HASH
+
+
+class PassManager(compat.CustomGraphPass):
+    """Runs the enabled passes of one stage, in order, on a graph."""
+
+    def __init__(self, opts: Options, unit: str, stage: str, passes: list[type[EnnPass]] | None = None) -> None:
+        self.opts = opts
+        self.unit = unit
+        self.stage = stage
+        classes = registered_passes() if passes is None else passes
+        self.passes = [cls(opts) for cls in classes if cls.stage == stage and getattr(opts, cls.option, True)]
+
+    def __call__(self, graph: fx.Graph) -> None:
+        ctx = PassContext(self.opts, self.unit, self.stage)
+        for p in self.passes:
+            t0 = time.perf_counter()
+            try:
+                matches = p(graph, ctx)
+            except Exception as exc:  # noqa: BLE001 - any failure disables this pass for the graph
+                raise PassFailed(p.name, p.option, exc) from exc
+            log.debug("enn pass %s (%s, %s): %d match(es) in %.1f ms", p.name, self.stage, self.unit, matches or 0,
+                      1e3 * (time.perf_counter() - t0))
+            if log.isEnabledFor(logging.DEBUG) and os.environ.get("ENN_DEBUG_GRAPHS") == "1" and matches:
+                log.debug("graph after %s:\n%s", p.name, graph)
+        if self.passes:
+            graph.lint()
+
+    def uuid(self) -> Any:
+        h = hashlib.sha256()
+        h.update(source_hash().encode())
+        h.update(self.opts.codegen_hash().encode())
+        h.update(self.stage.encode())
+        h.update(",".join(p.name for p in self.passes).encode())
+        return h.hexdigest()

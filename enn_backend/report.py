@@ -1,0 +1,239 @@
+"""What enn did, per process: one record per compiled graph, every decision in it.
+
+``enn_backend.report()`` returns the :class:`Report` of everything compiled since
+``enn_backend.reset()``. Forward and backward graphs of one Dynamo graph are
+separate records that share a ``unit`` id (``g0``, ``g1``, ...).
+
+Fallbacks are typed (:class:`FallbackKind`), recorded here and logged once each:
+nothing enn falls back on is silent.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class FallbackKind(str, enum.Enum):
+    """Why enn left the fast path."""
+
+    EXCEPTION = "exception"  # a compiled kernel raised at run time
+    NONFINITE = "nonfinite"  # compiled output had NaN/Inf, eager did not
+    PRECISION = "precision"  # eager (low precision) non-finite too, fp32 retry finite
+    MODEL_NONFINITE = "model_nonfinite"  # the model's own NaN/Inf: eager gives it in fp32 too
+    COMPILE_ERROR = "compile_error"  # a pass, lowering or Inductor raised while compiling
+    PASS_SKIPPED = "pass_skipped"  # an enn rewrite declined a match (e.g. unsupported dtype)
+    KERNEL_CHOICE = "kernel_choice"  # a requested kernel is impossible here; another was used
+    PRECISION_SKIPPED = "precision_skipped"  # a precision feature did not apply (e.g. bf16 params)
+    PINNED_FROM_STATE = "pinned_from_state"  # nodes pinned at compile time from persisted state
+
+
+@dataclass
+class Fallback:
+    kind: str
+    node: str
+    phase: str
+    reason: str
+    action: str
+    graph: str = ""
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class GraphRecord:
+    """One compiled graph (a forward, backward or inference graph of a Dynamo graph)."""
+
+    id: str
+    unit: str
+    phase: str  # forward | backward | inference
+    nodes: int = 0
+    compute_nodes: int = 0
+    compiled_nodes: int = 0
+    compile_time_s: float = 0.0
+    path: str = "inductor"  # inductor | inductor-without-enn | eager
+    fusions: dict[str, int] = field(default_factory=dict)
+    kernel_choices: list[dict[str, Any]] = field(default_factory=list)
+    promotions: list[dict[str, Any]] = field(default_factory=list)
+    pinned: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class Report:
+    """Everything enn compiled and decided since the last :func:`reset`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.graphs: list[GraphRecord] = []
+        self.fallbacks: list[Fallback] = []
+        self.counters: Counter[str] = Counter()
+        self._units = 0
+        # fusions found on a joint graph before AOT splits it into fwd/bwd
+        self._pending_unit_fusions: dict[str, Counter[str]] = {}
+        self._pending_unit_choices: dict[str, list[dict[str, Any]]] = {}
+        self._pending_unit_promotions: dict[str, list[dict[str, Any]]] = {}
+
+    # ----------------------------------------------------------- recording
+    def new_unit(self) -> str:
+        with self._lock:
+            uid = f"g{self._units}"
+            self._units += 1
+            return uid
+
+    def new_graph(self, unit: str, phase: str) -> GraphRecord:
+        with self._lock:
+            n = sum(1 for g in self.graphs if g.unit == unit and g.phase == phase)
+            gid = f"{unit}/{phase}" + (f"#{n}" if n else "")
+            rec = GraphRecord(id=gid, unit=unit, phase=phase)
+            if phase in ("forward", "inference"):
+                rec.fusions.update(self._pending_unit_fusions.pop(unit, {}))
+                rec.kernel_choices.extend(self._pending_unit_choices.pop(unit, []))
+                rec.promotions.extend(self._pending_unit_promotions.pop(unit, []))
+            self.graphs.append(rec)
+            return rec
+
+    def adopt(self, rec: GraphRecord) -> None:
+        """List a graph compiled before the last reset() again, once it does something new."""
+        with self._lock:
+            if all(g is not rec for g in self.graphs):
+                self.graphs.append(rec)
+
+    def add_unit_fusion(self, unit: str, kind: str, count: int = 1) -> None:
+        with self._lock:
+            self._pending_unit_fusions.setdefault(unit, Counter())[kind] += count
+
+    def add_unit_kernel_choice(self, unit: str, choice: dict[str, Any]) -> None:
+        with self._lock:
+            self._pending_unit_choices.setdefault(unit, []).append(choice)
+
+    def add_unit_promotion(self, unit: str, promotion: dict[str, Any]) -> None:
+        with self._lock:
+            self._pending_unit_promotions.setdefault(unit, []).append(promotion)
+
+    def add_fallback(
+        self,
+        kind: FallbackKind,
+        *,
+        node: str,
+        phase: str,
+        reason: str,
+        action: str,
+        graph: GraphRecord | str | None = None,
+        level: int = logging.WARNING,
+    ) -> Fallback:
+        gid = graph.id if isinstance(graph, GraphRecord) else (graph or "")
+        fb = Fallback(kind=kind.value, node=node, phase=phase, reason=reason, action=action, graph=gid)
+        with self._lock:
+            self.fallbacks.append(fb)
+            self.counters[f"fallback.{kind.value}"] += 1
+            if isinstance(graph, GraphRecord):
+                self.adopt(graph)
+                graph.events.append(asdict(fb))
+        log.log(level, "enn fallback [%s] graph=%s phase=%s node=%s: %s -> %s", kind.value, gid, phase, node, reason, action)
+        return fb
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    # ----------------------------------------------------------- reading
+    def fusions(self) -> dict[str, int]:
+        total: Counter[str] = Counter()
+        for g in self.graphs:
+            total.update(g.fusions)
+        for pending in self._pending_unit_fusions.values():
+            total.update(pending)
+        return dict(total)
+
+    def to_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "format": "enn-report",
+                "version": 1,
+                "graphs": [asdict(g) for g in self.graphs],
+                "fusions": self.fusions(),
+                "fallbacks": [asdict(f) for f in self.fallbacks],
+                "counters": dict(self.counters),
+            }
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    def save(self, path: str) -> None:
+        """Write the report as JSON (atomically)."""
+        atomic_write_text(path, self.to_json())
+
+    def __str__(self) -> str:
+        return format_report(self.to_dict())
+
+    __repr__ = __str__
+
+
+def format_report(data: dict[str, Any]) -> str:
+    """A readable table of a report dict (also used by `python -m enn_backend report FILE`)."""
+    lines = ["enn report"]
+    header = f"{'graph':<20} {'path':<22} {'nodes':>5} {'compiled':>8} {'pinned':>6} {'compile_s':>9}  fusions"
+    lines.append(header)
+    lines.append("-" * len(header))
+    for g in data.get("graphs", []):
+        fus = ", ".join(f"{k}={v}" for k, v in sorted(g.get("fusions", {}).items())) or "-"
+        lines.append(
+            f"{g['id']:<20} {g.get('path', ''):<22} {g.get('nodes', 0):>5} {g.get('compiled_nodes', 0):>8}"
+            f" {len(g.get('pinned', [])):>6} {g.get('compile_time_s', 0.0):>9.2f}  {fus}"
+        )
+        for c in g.get("kernel_choices", []):
+            lines.append(f"    kernel  {c.get('node', '?')}: {c.get('choice', '?')} ({c.get('reason', '')})")
+        for p in g.get("promotions", []):
+            lines.append(f"    fp32    {p.get('node', '?')}: {p.get('reason', '')}")
+        if g.get("pinned"):
+            lines.append(f"    pinned  {', '.join(g['pinned'])}")
+    fallbacks = data.get("fallbacks", [])
+    lines.append(f"fusions: {data.get('fusions') or {}}")
+    lines.append(f"fallbacks: {len(fallbacks)}")
+    for f in fallbacks:
+        lines.append(
+            f"  [{f['kind']}] {f.get('graph', '')} {f['phase']} node={f['node']}: {f['reason']} -> {f['action']}"
+        )
+    return "\n".join(lines)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old or the new file, never half of one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+_REPORT = Report()
+
+
+def report() -> Report:
+    """The report of everything enn compiled since :func:`reset`."""
+    return _REPORT
+
+
+def reset() -> None:
+    """Forget the report (compiled code and kernel state are not touched)."""
+    _REPORT.__init__()
