@@ -1,0 +1,42 @@
+"""``python -m enn_backend <command>``: enn's command line.
+
+Each command lives in its own module and exposes ``main(argv) -> int``:
+
+  doctor    versions, devices, attention backends, cache dir, entry point   (enn_backend.doctor)
+  demo      compile a small GPT, train + infer, compare with eager/inductor (enn_backend.demo)
+  report    pretty-print a saved report JSON                                (enn_backend.debug.cli)
+  minify    shrink a repro script to the smallest failing graph             (enn_backend.debug.cli)
+  bench     benchmark and accuracy suite                                    (enn_backend.bench.cli)
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "doctor": ("enn_backend.doctor", "main", "check this machine: versions, devices, kernels, cache, entry point"),
+    "demo": ("enn_backend.demo", "main", "compile a small GPT with enn, train and infer, compare with eager and inductor"),
+    "report": ("enn_backend.debug.cli", "report_main", "pretty-print a saved enn report (JSON)"),
+    "minify": ("enn_backend.debug.cli", "minify_main", "shrink an enn repro script to the smallest failing graph"),
+    "bench": ("enn_backend.bench.cli", "main", "run the benchmark and accuracy suite"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m enn_backend <command> [args]", "", "commands:"]
+    lines += [f"  {name:<8} {doc}" for name, (_, _, doc) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"enn: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[name]
+    return int(getattr(importlib.import_module(module), func)(rest) or 0)
