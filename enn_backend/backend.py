@@ -53,13 +53,15 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
             log.info("enn compiled %s in %.2fs", unit, time.perf_counter() - t0)
             return compiled
         except PassFailed as exc:
-            if opts.guard == "strict":
+            if opts.guard == "strict" or compat.is_dynamo_control_flow(exc.cause):
+                if compat.is_dynamo_control_flow(exc.cause):
+                    raise exc.cause from None
                 raise
             report().add_fallback(FallbackKind.COMPILE_ERROR, node="<pass>", phase="compile", graph=unit,
                                   reason=str(exc), action=f"recompiling {unit} without enn pass {exc.pass_name!r}")
             opts = opts.replace(**{exc.option: False})
         except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
-            if opts.guard == "strict":
+            if opts.guard == "strict" or compat.is_dynamo_control_flow(exc):
                 raise
             report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=unit,
                                   reason=f"{type(exc).__name__}: {str(exc).strip()[:300]}",

@@ -97,6 +97,7 @@ def inductor_lowerings_patched(extra: dict[Any, Callable[..., Any]]) -> Iterator
     from torch._inductor import lowering as L
 
     saved = {op: L.lowerings.get(op, _MISSING) for op in extra}
+    before = set(L.lowerings)
     L.lowerings.update(extra)
     try:
         yield
@@ -106,6 +107,12 @@ def inductor_lowerings_patched(extra: dict[Any, Callable[..., Any]]) -> Iterator
                 L.lowerings.pop(op, None)
             else:
                 L.lowerings[op] = old
+        # Inductor registers an implicit fallback lowering for every unknown custom op it
+        # meets (enn::pinned, enn::fault, ...): take enn's out again, keep the table as found.
+        for op in set(L.lowerings) - before:
+            if getattr(op, "namespace", None) == "enn":
+                L.lowerings.pop(op, None)
+                L.fallbacks.discard(op)
 
 
 _MISSING = object()
@@ -129,3 +136,14 @@ def triton_version() -> str | None:
         return triton.__version__
     except Exception:  # noqa: BLE001 - optional dependency
         return None
+
+
+def is_dynamo_control_flow(exc: BaseException) -> bool:
+    """Exceptions Dynamo uses to steer compilation (restart analysis, skip frame, graph
+    break, user error). They must reach Dynamo untouched: they are not compile failures.
+    Seen on 2.13: dynamic shapes raise TensorifyScalarRestartAnalysis from inside AOT."""
+    from torch._dynamo import exc as dexc
+
+    if not isinstance(exc, dexc.TorchDynamoException):
+        return False
+    return not isinstance(exc, (dexc.BackendCompilerFailed, dexc.InternalTorchDynamoError, dexc.TorchRuntimeError))

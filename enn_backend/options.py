@@ -67,7 +67,7 @@ class Options:
         ),
     )
     localize_budget: int = field(
-        default=8,
+        default=16,
         metadata=_meta(
             "ENN_LOCALIZE_BUDGET",
             "Most recompiles spent bisecting a fault to its culprit node(s); past it the remaining suspects are all pinned.",

@@ -45,11 +45,9 @@ def _load_all() -> None:
 @contextlib.contextmanager
 def enn_lowerings(enabled: bool = True) -> Iterator[None]:
     """Install enn's lowerings for the duration of one compile."""
-    if not enabled:
-        yield
-        return
-    _load_all()
-    with compat.inductor_lowerings_patched(LOWERINGS):
+    if enabled:
+        _load_all()
+    with compat.inductor_lowerings_patched(LOWERINGS if enabled else {}):
         yield
 
 

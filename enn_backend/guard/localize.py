@@ -4,8 +4,8 @@
 path and re-runs it; each call is one *trial* (a recompile). Suspects are grouped by
 op (a broken kernel usually breaks every node of that op): groups first, then nodes
 inside the guilty groups, each by binary splitting that also finds several culprits.
-Past ``budget`` trials the remaining suspects are pinned whole: a larger pin set, never
-a wrong one.
+Past ``budget`` trials the smallest set seen to remove the fault is pinned: a larger pin
+set, never a wrong one.
 """
 
 from __future__ import annotations
@@ -34,13 +34,17 @@ def localize(
     """Minimal pin set over ``groups`` (ordered, most suspect first), or None if
     pinning everything does not remove the fault (not a node-level fault)."""
     trials = 0
+    best: frozenset[str] = frozenset()  # smallest pin set seen to remove the fault
 
     def faulty(pins: frozenset[str]) -> bool:
-        nonlocal trials
+        nonlocal trials, best
         if trials >= budget:
             raise BudgetExhausted
         trials += 1
-        return still_faulty(pins)
+        bad = still_faulty(pins)
+        if not bad and len(pins) < len(best):
+            best = pins
+        return bad
 
     everything = frozenset(n for g in groups for n in g)
     if not everything:
@@ -48,6 +52,7 @@ def localize(
     trials += 1  # pinning everything is always tried, even with budget 0
     if still_faulty(everything):
         return None
+    best = everything
 
     def minimize(items: list[list[str]], base: frozenset[str]) -> list[list[str]]:
         """Subset M of items with pin(base + M) fault-free, given pin(base + items) is."""
@@ -73,7 +78,10 @@ def localize(
         result.pinned = chosen
     except BudgetExhausted:
         result.exhausted = True
-        result.notes.append(f"localization budget of {budget} recompiles exhausted; pinned all remaining suspects")
+        result.pinned = sorted(best)
+        result.notes.append(
+            f"localization budget of {budget} recompiles exhausted; pinned the smallest fault-free set found ({len(best)} nodes)"
+        )
     result.trials = trials
     return result
 

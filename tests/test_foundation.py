@@ -1,0 +1,177 @@
+"""The foundation: options, training/inference parity, dynamic shapes, isolation from Inductor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend.options import Options, OptionsError, options_table
+
+from _models import assert_close_step, make, train_step
+
+
+# ----------------------------------------------------------------------------- options
+def test_unknown_option_names_valid_ones():
+    with pytest.raises(OptionsError, match="unknown option 'gaurd'.*guard"):
+        Options.from_sources({"gaurd": "off"}, environ={})
+
+
+def test_bad_values_are_clear_errors():
+    with pytest.raises(OptionsError, match="guard.*off, exceptions, nonfinite, strict"):
+        Options.from_sources({"guard": "sometimes"}, environ={})
+    with pytest.raises(OptionsError, match="ENN_GUARD_EVERY must be an integer"):
+        Options.from_sources({}, environ={"ENN_GUARD_EVERY": "often"})
+    with pytest.raises(OptionsError, match="ENN_DISABLE must be a boolean"):
+        Options.from_sources({}, environ={"ENN_DISABLE": "maybe"})
+    with pytest.raises(OptionsError, match="unknown environment variable ENN_GAURD"):
+        Options.from_sources({}, environ={"ENN_GAURD": "off"})
+    with pytest.raises(OptionsError, match="fault_inject kind"):
+        Options.from_sources({"fault_inject": "aten.mm:boom"}, environ={})
+
+
+def test_precedence_defaults_then_options_then_env():
+    assert Options.from_sources({}, environ={}).guard == "nonfinite"
+    assert Options.from_sources({"guard": "strict"}, environ={}).guard == "strict"
+    assert Options.from_sources({"guard": "strict"}, environ={"ENN_GUARD": "off"}).guard == "off"
+    assert Options.from_sources({}, mode="max-autotune", environ={}).mode == "max-autotune"
+
+
+def test_codegen_hash_ignores_runtime_only_options():
+    a = Options.from_sources({}, environ={})
+    assert a.codegen_hash() == a.replace(guard="off", guard_every=7).codegen_hash()
+    assert a.codegen_hash() != a.replace(attention=False).codegen_hash()
+
+
+def test_every_option_is_documented():
+    for name, env, _default, doc in options_table():
+        assert env.startswith("ENN_") and doc, name
+
+
+def test_compile_rejects_unknown_option_before_running():
+    m, x = make("mlp")
+    f = torch.compile(m, backend="enn", options={"nope": 1})
+    with pytest.raises(Exception, match="unknown option 'nope'"):
+        f(x)
+
+
+# ----------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("kind", ["mlp", "block"])
+def test_training_parity_fp32(kind):
+    model, x = make(kind)
+    compiled = torch.compile(model, backend="enn")
+    for _ in range(2):  # second step runs the already compiled graphs
+        got = train_step(model, x, compiled)
+        ref = train_step(model, x)
+        assert_close_step(got, ref)
+    rep = enn_backend.report().to_dict()
+    phases = sorted(g["phase"] for g in rep["graphs"])
+    assert phases == ["backward", "forward"], phases
+    assert rep["fallbacks"] == []
+    assert all(g["path"] == "inductor" and g["compiled_nodes"] > 0 for g in rep["graphs"])
+
+
+def test_inference_parity_no_grad_and_inference_mode():
+    model, x = make("block")
+    compiled = torch.compile(model, backend="enn")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)
+    assert {g["phase"] for g in enn_backend.report().to_dict()["graphs"]} == {"inference"}
+
+
+def test_bf16_autocast_training():
+    model, x = make("block")
+    compiled = torch.compile(model, backend="enn")
+    got = train_step(model, x, compiled, autocast=torch.bfloat16)
+    ref = train_step(model, x, autocast=torch.bfloat16)
+    assert got[0].dtype == torch.float32  # residual stream stays fp32 under autocast
+    assert_close_step(got, ref, torch.bfloat16)
+
+
+def test_dynamic_shapes_three_lengths_at_most_two_compiles():
+    model, _ = make("block")
+    compiled = torch.compile(model, backend="enn", dynamic=True)
+    with torch.no_grad():
+        for t in (8, 12, 20):
+            x = torch.randn(2, t, 32)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)
+    units = {g["unit"] for g in enn_backend.report().to_dict()["graphs"]}
+    assert 1 <= len(units) <= 2, units
+
+
+def test_mark_dynamic_training():
+    model, _ = make("mlp")
+    compiled = torch.compile(model, backend="enn")
+    for b in (4, 6, 10):
+        x = torch.randn(b, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    assert len({g["unit"] for g in enn_backend.report().to_dict()["graphs"]}) <= 2
+
+
+def test_enn_disable_is_plain_inductor(monkeypatch):
+    monkeypatch.setenv("ENN_DISABLE", "1")
+    monkeypatch.setenv("ENN_FAULT_INJECT", "aten.addmm:nan:fwd")  # would fire if enn were active
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn")
+    with torch.no_grad():
+        out = compiled(x)
+    assert torch.isnan(out).sum() == 0
+    assert enn_backend.report().to_dict()["graphs"] == []
+
+
+def test_inductor_after_enn_sees_no_enn_ops_or_config():
+    from torch._inductor import config as ic
+    from torch._inductor import lowering as L
+    from torch._inductor.utils import run_and_get_code
+
+    model, x = make("block")
+    with torch.no_grad():
+        torch.compile(model, backend="enn", options={"fault_inject": "aten.addmm:nan:fwd"})(x)
+    assert enn_backend.report().to_dict()["fallbacks"], "the injected fault should have fired under enn"
+    assert not [op for op in L.lowerings if "enn." in str(op)]
+    assert ic.joint_custom_post_pass is None and ic.post_grad_custom_post_pass is None
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, codes = run_and_get_code(torch.compile(model, backend="inductor"), x)
+    assert not any("enn" in c for c in codes)
+    assert torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------- caching
+_CACHE_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    y = torch.compile(m, backend="enn")(x)
+    y.sum().backward()
+    c = counters["inductor"]
+    print(json.dumps({"hit": c["fxgraph_cache_hit"], "miss": c["fxgraph_cache_miss"], "bypass": c["fxgraph_cache_bypass"]}))
+    """
+)
+
+
+def test_second_process_hits_fx_graph_cache(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+
+    def run() -> dict:
+        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        import json
+
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["miss"] >= 2 and first["bypass"] == 0, first
+    assert second["hit"] >= 2 and second["miss"] == 0 and second["bypass"] == 0, second
