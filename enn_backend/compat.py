@@ -147,3 +147,19 @@ def is_dynamo_control_flow(exc: BaseException) -> bool:
     if not isinstance(exc, dexc.TorchDynamoException):
         return False
     return not isinstance(exc, (dexc.BackendCompilerFailed, dexc.InternalTorchDynamoError, dexc.TorchRuntimeError))
+
+
+# --- Benchmark suite (enn_backend.bench) ------------------------------------------------
+# torch._inductor.utils.clear_inductor_caches exists from 2.1 to 2.13 (from 2.8 an alias of
+# clear_caches); checked in the 2.11 and 2.13 sources. Covered by tests/test_bench.py.
+
+
+def clear_inductor_memory_caches() -> None:
+    """Forget Inductor's in-memory caches of compiled code (the disk caches are untouched).
+
+    The benchmark gives each backend its own cache folder so that one backend's
+    compiled kernels never make another's "cold" compile look fast.
+    """
+    from torch._inductor import utils
+
+    (getattr(utils, "clear_caches", None) or utils.clear_inductor_caches)()
