@@ -11,5 +11,8 @@ Importing this package registers the ops with torch.library; it changes nothing 
 """
 
 from . import faults, pinned  # noqa: F401  (registration side effect: ops only)
+from . import attention  # noqa: F401
+from . import precision  # noqa: F401
+from . import gemm  # noqa: F401
 
 __all__ = ["faults", "pinned"]

@@ -1,0 +1,386 @@
+"""``enn::attention`` and ``enn::attention_backward``: fused attention with what the pattern recognized.
+
+``enn::attention(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend)``
+returns ``(out, lse)``:
+
+- ``q`` ``[B, Hq, Tq, D]``, ``k`` ``[B, Hkv, Tk, D]``, ``v`` ``[B, Hkv, Tk, Dv]``; ``Hq`` a multiple of
+  ``Hkv`` (grouped-query attention: query head ``h`` reads key/value head ``h // (Hq // Hkv)``).
+- ``bias``: optional additive float mask/bias, broadcastable to ``[B, Hq, Tq, Tk]``.
+- ``mask``: optional boolean keep-mask (True = attend), broadcastable to ``[B, Hq, Tq, Tk]``.
+- ``alibi``: optional per-head slopes ``[Hq]``; adds ``slopes[h] * (j - i)`` to the scores.
+- ``causal``: key ``j`` is kept for query ``i`` only if ``j <= i`` (top-left aligned, like SDPA).
+- ``window``: if > 0, also only keys with ``i - j < window`` (a sliding-window band).
+- ``dropout_p``: must be 0.0 (enn does not fuse attention with dropout yet; see the pass).
+- ``masked_rows``: ``"eager"`` gives NaN for a query row whose keys are all masked (what the
+  hand-written ``softmax(masked_fill(-inf))`` gives in eager), ``"zero"`` gives 0 there.
+- ``backend``: the kernel the policy chose (enn_backend.attention_policy): ``explicit`` (enn's own
+  fp32 math), ``cpu_flash`` (ATen's CPU flash kernel), ``flash`` / ``efficient`` / ``cudnn`` / ``math``
+  (SDPA on CUDA with that backend forced), ``flex`` (FlexAttention, compiled).
+
+``lse`` is the log-sum-exp of each query row in fp32 ``[B, Hq, Tq]`` where the backend gives it
+(``explicit``, ``cpu_flash``), else an empty tensor; the backward uses it to avoid a recompute.
+The CUDA backends recompute the forward inside the backward (one extra forward pass): it is
+correct by construction on every torch version, at the cost of that recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("explicit", "cpu_flash", "flash", "efficient", "cudnn", "math", "flex")
+MASKED_ROWS = ("eager", "zero")
+
+
+# ----------------------------------------------------------------------------- helpers
+def _positions(tq: int, tk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    i = torch.arange(tq, device=device).view(tq, 1)
+    j = torch.arange(tk, device=device).view(1, tk)
+    return i, j
+
+
+def structural_keep(tq: int, tk: int, causal: bool, window: int, device: torch.device) -> Optional[torch.Tensor]:
+    """The [Tq, Tk] keep-mask of the causal / window structure, or None if there is none."""
+    if not causal and window <= 0:
+        return None
+    i, j = _positions(tq, tk, device)
+    keep = torch.ones(tq, tk, dtype=torch.bool, device=device)
+    if causal:
+        keep = keep & (j <= i)
+    if window > 0:
+        keep = keep & (i - j < window)
+    return keep
+
+
+def alibi_bias(slopes: torch.Tensor, tq: int, tk: int, dtype: torch.dtype) -> torch.Tensor:
+    i, j = _positions(tq, tk, slopes.device)
+    return (slopes.float().view(-1, 1, 1) * (j - i).float()).to(dtype)
+
+
+def _keep_all(q, k, mask, causal, window) -> Optional[torch.Tensor]:
+    """Every reason a key is dropped, as one broadcastable boolean keep-mask (or None)."""
+    keep = structural_keep(q.shape[-2], k.shape[-2], causal, window, q.device)
+    if mask is not None:
+        keep = mask if keep is None else (mask & keep)
+    return keep
+
+
+def _float_bias(q, k, bias, alibi) -> Optional[torch.Tensor]:
+    out = None
+    if alibi is not None:
+        out = alibi_bias(alibi, q.shape[-2], k.shape[-2], torch.float32)
+    if bias is not None:
+        out = bias.float() if out is None else out + bias.float()
+    return out
+
+
+def dead_rows(q, k, bias, mask, causal, window) -> Optional[torch.Tensor]:
+    """Bool [B|1, H|1, Tq, 1]: rows whose every key is masked (None if that cannot happen)."""
+    if mask is None and (bias is None or not bias.is_floating_point()):
+        return None  # causal / window keep key 0..i (or i) for every row: never empty
+    keep = _keep_all(q, k, mask, causal, window)
+    if bias is not None:
+        finite = bias > float("-inf")
+        keep = finite if keep is None else (keep & finite)
+    while keep.dim() < 4:
+        keep = keep.unsqueeze(0)
+    keep = keep.expand(*keep.shape[:-2], q.shape[-2], k.shape[-2])
+    return ~keep.any(dim=-1, keepdim=True)
+
+
+def _repeat_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
+    if x.shape[1] == hq:
+        return x
+    return x.repeat_interleave(hq // x.shape[1], dim=1)
+
+
+def _fold_kv(g: torch.Tensor, hkv: int) -> torch.Tensor:
+    """Sum the gradient of repeated key/value heads back onto their ``hkv`` heads."""
+    b, hq = g.shape[0], g.shape[1]
+    if hq == hkv:
+        return g
+    return g.view(b, hkv, hq // hkv, *g.shape[2:]).sum(dim=2)
+
+
+def _fix_rows(out: torch.Tensor, dead: Optional[torch.Tensor], masked_rows: str) -> torch.Tensor:
+    if dead is None:
+        return out
+    fill = 0.0 if masked_rows == "zero" else float("nan")
+    return torch.where(dead, torch.full((), fill, dtype=out.dtype, device=out.device), out)
+
+
+def _bias_grad(dscores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Reduce a [B, H, Tq, Tk] gradient to ``bias``'s broadcast shape."""
+    g = dscores
+    while g.dim() > bias.dim():
+        g = g.sum(0)
+    dims = [d for d in range(g.dim()) if bias.shape[d] == 1 and g.shape[d] != 1]
+    if dims:
+        g = g.sum(dim=dims, keepdim=True)
+    return g.to(bias.dtype)
+
+
+# ----------------------------------------------------------------------------- explicit math
+def _scores(q, k, bias, mask, alibi, scale, causal, window) -> torch.Tensor:
+    kk = _repeat_kv(k, q.shape[1])
+    s = torch.matmul(q.float(), kk.float().transpose(-2, -1)) * scale
+    fb = _float_bias(q, k, bias, alibi)
+    if fb is not None:
+        s = s + fb
+    keep = _keep_all(q, k, mask, causal, window)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _explicit_fwd(q, k, v, bias, mask, alibi, scale, causal, window):
+    s = _scores(q, k, bias, mask, alibi, scale, causal, window)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    out = torch.matmul(p, _repeat_kv(v, q.shape[1]).float()).to(q.dtype)
+    return out, lse
+
+
+def _explicit_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window):
+    hkv = k.shape[1]
+    s = _scores(q, k, bias, mask, alibi, scale, causal, window)
+    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(s - safe_lse.unsqueeze(-1))  # dead rows: exp(-inf) = 0
+    vv = _repeat_kv(v, q.shape[1]).float()
+    kk = _repeat_kv(k, q.shape[1]).float()
+    gf = g.float()
+    dv = torch.matmul(p.transpose(-2, -1), gf)
+    dp = torch.matmul(gf, vv.transpose(-2, -1))
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq = torch.matmul(ds, kk) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
+    dbias = _bias_grad(ds, bias) if bias is not None else None
+    return dq.to(q.dtype), _fold_kv(dk, hkv).to(k.dtype), _fold_kv(dv, hkv).to(v.dtype), dbias
+
+
+# ----------------------------------------------------------------------------- CPU flash (ATen)
+def _cpu_flash_mask(q, k, bias, mask, alibi, causal, window):
+    """The additive mask ATen's CPU flash kernel takes, plus whether is_causal can stay on."""
+    use_causal = causal and window <= 0 and mask is None
+    keep = None if use_causal else _keep_all(q, k, mask, causal, window)
+    fb = _float_bias(q, k, bias, alibi)
+    if keep is None and fb is None:
+        return None, use_causal
+    m = fb if fb is not None else torch.zeros((), dtype=torch.float32, device=q.device)
+    if keep is not None:
+        m = m.masked_fill(~keep, float("-inf"))
+    while m.dim() < 4:  # the kernel takes 2-D or 4-D masks
+        m = m.unsqueeze(0)
+    return m.to(q.dtype), use_causal
+
+
+def _cpu_flash_fwd(q, k, v, bias, mask, alibi, scale, causal, window):
+    m, is_causal = _cpu_flash_mask(q, k, bias, mask, alibi, causal, window)
+    kk, vv = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+        q, kk, vv, 0.0, is_causal, attn_mask=m, scale=scale)
+    return out, lse.float()
+
+
+def _cpu_flash_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window):
+    m, is_causal = _cpu_flash_mask(q, k, bias, mask, alibi, causal, window)
+    hkv = k.shape[1]
+    kk, vv = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+    lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))  # dead rows: P = exp(-inf) = 0
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        g.contiguous(), q, kk, vv, out, lse, 0.0, is_causal, attn_mask=m, scale=scale)
+    return dq, _fold_kv(dk, hkv), _fold_kv(dv, hkv), None
+
+
+# ----------------------------------------------------------------------------- CUDA SDPA / flex
+def _sdpa_call(q, k, v, bias, mask, alibi, scale, causal, window, backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    is_causal = causal and window <= 0 and mask is None and bias is None and alibi is None
+    attn_mask = None
+    if not is_causal:
+        keep = _keep_all(q, k, mask, causal, window)
+        fb = _float_bias(q, k, bias, alibi)
+        if fb is not None:
+            fb = fb.to(q.dtype)
+            attn_mask = fb if keep is None else fb.masked_fill(~keep, float("-inf"))
+        else:
+            attn_mask = keep
+    gqa = q.shape[1] != k.shape[1]
+    with sdpa_kernel([kinds[backend]]):
+        if gqa:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                                  scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(causal: bool, window: int, tq: int, tk: int, device: str):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def keep(b, h, qi, kj):
+        ok = qi >= kj if causal else qi >= 0
+        if window > 0:
+            ok = ok & (qi - kj < window)
+        return ok
+
+    return create_block_mask(keep, None, None, tq, tk, device=device)
+
+
+def _flex_call(q, k, v, bias, mask, alibi, scale, causal, window):
+    if mask is not None or bias is not None:
+        raise ValueError("enn::attention: flex backend takes causal/window/ALiBi structure only")
+    block_mask = _block_mask(causal, window, q.shape[-2], k.shape[-2], str(q.device)) if (causal or window > 0) else None
+    score_mod = None
+    if alibi is not None:
+        slopes = alibi.float()
+
+        def score_mod(score, b, h, qi, kj):
+            return score + slopes[h] * (kj - qi)
+
+    return _compiled_flex()(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                            enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _recompute_fwd(q, k, v, bias, mask, alibi, scale, causal, window, backend):
+    if backend == "flex":
+        out = _flex_call(q, k, v, bias, mask, alibi, scale, causal, window)
+    else:
+        out = _sdpa_call(q, k, v, bias, mask, alibi, scale, causal, window, backend)
+    return out, q.new_empty((0,), dtype=torch.float32)
+
+
+def _recompute_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, backend):
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        bb = bias.detach().requires_grad_(True) if bias is not None and bias.is_floating_point() else bias
+        o, _ = _recompute_fwd(qq, kk, vv, bb, mask, alibi, scale, causal, window, backend)
+        wrt = [qq, kk, vv] + ([bb] if bb is not None else [])
+        grads = torch.autograd.grad(o, wrt, g, allow_unused=True)
+    dbias = grads[3] if bias is not None else None
+    return grads[0], grads[1], grads[2], dbias
+
+
+# ----------------------------------------------------------------------------- dispatch
+_FWD = {"explicit": _explicit_fwd, "cpu_flash": _cpu_flash_fwd}
+_BWD = {"explicit": _explicit_bwd, "cpu_flash": _cpu_flash_bwd}
+
+
+def _check(q, k, v, backend, masked_rows, dropout_p):
+    if backend not in BACKENDS:
+        raise ValueError(f"enn::attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if masked_rows not in MASKED_ROWS:
+        raise ValueError(f"enn::attention: masked_rows must be one of {MASKED_ROWS}, got {masked_rows!r}")
+    if dropout_p != 0.0:
+        raise ValueError("enn::attention: dropout_p must be 0.0 (attention with dropout is not fused by enn)")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"enn::attention: want 4-D q/k/v with Hq % Hkv == 0, got {tuple(q.shape)}, {tuple(k.shape)}")
+
+
+@torch.library.custom_op("enn::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+              mask: Optional[torch.Tensor], alibi: Optional[torch.Tensor], scale: float, causal: bool,
+              window: int, dropout_p: float, masked_rows: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ · scale + bias + alibi, masked) v on the chosen backend; returns (out, lse)."""
+    _check(q, k, v, backend, masked_rows, dropout_p)
+    fwd = _FWD.get(backend)
+    if fwd is not None:
+        out, lse = fwd(q, k, v, bias, mask, alibi, scale, causal, window)
+    else:
+        out, lse = _recompute_fwd(q, k, v, bias, mask, alibi, scale, causal, window, backend)
+    out = _fix_rows(out, dead_rows(q, k, bias, mask, causal, window), masked_rows)
+    return out.contiguous(), lse.contiguous()
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend):
+    b, hq, tq, _ = q.shape
+    out = q.new_empty((b, hq, tq, v.shape[-1]))
+    if backend in _FWD:
+        return out, q.new_empty((b, hq, tq), dtype=torch.float32)
+    return out, q.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("enn::attention_backward", mutates_args=())
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
+                       out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, window: int,
+                       masked_rows: str, backend: str, bias_grad: bool
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv, dbias) of :func:`attention`; dbias is empty unless ``bias_grad``.
+
+    Rows whose keys are all masked: with ``masked_rows="eager"`` the forward gave NaN there and
+    eager autograd gives NaN for the whole ``dv`` of that (batch, kv-head) while those rows add
+    nothing to ``dq`` / ``dk``; enn reproduces exactly that. With ``"zero"`` they add nothing.
+    """
+    dead = dead_rows(q, k, bias, mask, causal, window)
+    g = grad_out if dead is None else grad_out.masked_fill(dead, 0.0)
+    if dead is not None:
+        out = out.masked_fill(dead, 0.0)  # the forward's NaN fix-up must not leak into the kernels
+    if backend in _BWD and not (bias_grad and backend == "cpu_flash"):
+        dq, dk, dv, db = _BWD[backend](g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window)
+        if bias_grad and db is None:  # pragma: no cover - cpu_flash with bias grad is routed to explicit
+            raise RuntimeError("enn::attention_backward: backend gave no bias gradient")
+    elif backend in _BWD:
+        dq, dk, dv, db = _explicit_bwd(g, q, k, v, bias, mask, alibi, out,
+                                       _explicit_fwd(q, k, v, bias, mask, alibi, scale, causal, window)[1],
+                                       scale, causal, window)
+    else:
+        dq, dk, dv, db = _recompute_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, backend)
+    if dead is not None and masked_rows == "eager":
+        hkv = k.shape[1]
+        bad = dead.expand(q.shape[0], q.shape[1], *dead.shape[2:]).flatten(2).any(-1)  # [B, Hq]
+        bad = bad.view(q.shape[0], hkv, -1).any(-1).view(q.shape[0], hkv, 1, 1)
+        dv = dv.masked_fill(bad, float("nan"))
+    if bias_grad and bias is not None:
+        dbias = (db if db is not None else torch.zeros_like(bias)).to(bias.dtype).contiguous()
+    else:
+        dbias = q.new_empty((0,))
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dbias
+
+
+@attention_backward.register_fake
+def _attention_backward_fake(grad_out, q, k, v, bias, mask, alibi, out, lse, scale, causal, window,
+                             masked_rows, backend, bias_grad):
+    dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if (bias_grad and bias is not None) else q.new_empty((0,))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format), dbias)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, mask, alibi, out, lse)
+    ctx.args = (scale, causal, window, masked_rows, backend)
+    ctx.bias_grad = bias is not None and bias.is_floating_point() and bias.requires_grad
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, bias, mask, alibi, out, lse = ctx.saved_tensors
+    scale, causal, window, masked_rows, backend = ctx.args
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv, dbias = attention_backward(grad_out, q, k, v, bias, mask, alibi, out, lse, scale, causal,
+                                           window, masked_rows, backend, ctx.bias_grad)
+    return dq, dk, dv, (dbias if ctx.bias_grad else None), None, None, None, None, None, None, None, None
+
+
+attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
