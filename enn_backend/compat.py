@@ -163,3 +163,15 @@ def clear_inductor_memory_caches() -> None:
     from torch._inductor import utils
 
     (getattr(utils, "clear_caches", None) or utils.clear_inductor_caches)()
+
+
+# --- Inductor IR builders for enn's lowerings (lowerings/precision.py) -------------------
+# torch._inductor.lowering.lowerings is a private dict of op -> IR builder, unchanged
+# from 2.0 through 2.13. enn composes these builders; it never writes to the dict here.
+
+
+def inductor_lowering(op: Any) -> Callable[..., Any]:
+    """Inductor's own lowering (IR builder) of an ATen/prims op."""
+    from torch._inductor import lowering as L
+
+    return L.lowerings[op]

@@ -35,6 +35,7 @@ def _load_all() -> None:
     import enn_backend.custom_ops  # noqa: F401  (the ops must exist first)
 
     from . import faults  # noqa: F401
+    from . import precision  # noqa: F401
 
     try:
         from . import attention  # noqa: F401
