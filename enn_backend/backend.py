@@ -50,7 +50,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
     while True:
         try:
             compiled = _compile_with_enn(_fresh(pristine), example_inputs, opts, unit)
-            log.info("enn compiled %s in %.2fs", unit, time.perf_counter() - t0)
+            log.debug("enn compiled %s in %.2fs", unit, time.perf_counter() - t0)
             return compiled
         except PassFailed as exc:
             if opts.guard == "strict" or compat.is_dynamo_control_flow(exc.cause):

@@ -175,3 +175,37 @@ def inductor_lowering(op: Any) -> Callable[..., Any]:
     from torch._inductor import lowering as L
 
     return L.lowerings[op]
+
+
+# --- Debugging tools (enn_backend.debug) ------------------------------------------------
+# Checked on 2.11 and 2.13: trace_structured (since 2.3), make_fx, fx_minifier.minifier
+# (signature with save_dir/offload_to_disk/skip_sanity/max_granularity since 2.1), and
+# torch._C._dispatch_get_all_op_names all exist unchanged.
+
+
+def trace_structured_artifact(name: str, payload_fn: Callable[[], str]) -> None:
+    """Write a JSON artifact into the TORCH_TRACE log (shown by tlparse); free when off."""
+    try:
+        from torch._logging import trace_structured
+    except ImportError:  # pragma: no cover - torch < 2.3
+        return
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "json"}, payload_fn=payload_fn)
+
+
+def make_fx(fn: Callable[..., Any], tracing_mode: str = "fake") -> Callable[..., torch.fx.GraphModule]:
+    from torch.fx.experimental.proxy_tensor import make_fx as _make_fx
+
+    return _make_fx(fn, tracing_mode=tracing_mode)
+
+
+def fx_minifier(gm: torch.fx.GraphModule, inputs: list, module_fails: Callable[..., bool], **kwargs: Any) -> Any:
+    """torch's delta-debugging FX minifier; ``dump_state`` is silenced (enn writes its own repro)."""
+    from torch._functorch.fx_minifier import minifier
+
+    return minifier(gm, inputs, module_fails, dump_state=lambda *a, **k: None, **kwargs)
+
+
+def registered_op_names(namespace: str) -> list[str]:
+    """Qualified names (``enn::pinned``) of every op registered in ``namespace``."""
+    prefix = namespace + "::"
+    return sorted({n for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})

@@ -26,6 +26,7 @@ from . import compat
 from .guard import graph_edit as E
 from .guard.kernel_state import KernelState, graph_key, node_key, state_for
 from .guard.runtime import GuardedGraph
+from .debug.log import log_compiled_graph
 from .options import Options
 from .report import FallbackKind, GraphRecord, report
 
@@ -181,6 +182,7 @@ def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_spe
         compiler = GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit,
                                  config_patches=config_patches, fault_specs=fault_specs)
         compiled = compiler.build()
+        log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
         if opts.guard == "off":
             return compiled
         return GuardedGraph(compiler, compiled, compiler.record)

@@ -1,0 +1,51 @@
+"""enn's per-graph log line and structured (TORCH_TRACE) artifact.
+
+enn logs through the ``enn_backend.*`` logger hierarchy (one logger per module).
+Switch it on with torch's own variable, using the package name:
+
+    TORCH_LOGS="enn_backend"    info: one line per compiled graph, plus fallbacks
+    TORCH_LOGS="+enn_backend"   debug: also per-pass match counts and timings
+                                (ENN_DEBUG_GRAPHS=1 adds the graph after each pass)
+
+torch accepts any importable module name in TORCH_LOGS; a name that is not
+importable (``enn``, or ``enn_backend`` without enn installed) makes ``import torch``
+raise. Plain ``logging.getLogger("enn_backend").setLevel(logging.INFO)`` works too.
+
+With ``TORCH_TRACE=<dir>`` every compiled graph's report record is also written
+as a JSON artifact named ``enn_graph_report`` that tlparse shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from typing import Any
+
+from .. import compat
+
+log = logging.getLogger(__name__)
+
+ARTIFACT_NAME = "enn_graph_report"
+
+
+def graph_line(rec: Any) -> str:
+    """One line that says what enn did to a compiled graph (a report GraphRecord)."""
+    fus = ",".join(f"{k}={v}" for k, v in sorted(rec.fusions.items())) or "none"
+    kernels = ",".join(f"{c.get('node', '?')}:{c.get('choice', '?')}" for c in rec.kernel_choices) or "none"
+    falls = [e for e in rec.events if "kind" in e]
+    fallbacks = ",".join(f"{e['kind']}@{e.get('node', '?')}" for e in falls) or "none"
+    pinned = ",".join(rec.pinned) or "none"
+    promos = len(rec.promotions)
+    return (
+        f"enn graph {rec.id}: path={rec.path} nodes={rec.compute_nodes} compiled={rec.compiled_nodes} "
+        f"fusions={fus} kernels={kernels} fp32={promos} fallbacks={fallbacks} pinned={pinned} "
+        f"compile={rec.compile_time_s:.2f}s"
+    )
+
+
+def log_compiled_graph(rec: Any) -> None:
+    """Log the graph's line at info level and emit its record as a TORCH_TRACE artifact."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", graph_line(rec))
+    compat.trace_structured_artifact(ARTIFACT_NAME, lambda: json.dumps(asdict(rec), default=str))

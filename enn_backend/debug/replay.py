@@ -1,0 +1,345 @@
+"""What an enn repro script runs: enn's fast path against eager, with an fp64 referee.
+
+A repro script (see :mod:`enn_backend.debug.repro`) defines the ATen graph inline as
+a ``torch.nn.Module``, loads its inputs and calls :func:`run_repro`. The same check
+(:func:`check`) is the minifier's predicate, so a repro and its minimized version
+fail for the same reason:
+
+- ``compile``    enn's compile of the graph raises (guard off: no fallback ladder)
+- ``exception``  the compiled graph raises when run, while eager does not
+- ``nonfinite``  the compiled output has NaN/Inf where eager's is finite
+- ``accuracy``   compiled and eager differ beyond tolerance, and the compiled result
+                 is further from an fp64 run than eager is (torch's ``same`` rule:
+                 RMSE(compiled, fp64) > m * RMSE(eager, fp64) + tol/10, m = 2 for
+                 fp32, 3 for fp16/bf16)
+
+Exit codes of :func:`run_repro`: 1 the fault reproduces, 0 it does not, 2 undecided
+(eager itself raises, or the inputs cannot be loaded).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from .. import compat
+
+EXIT_OK, EXIT_FAULT, EXIT_UNDECIDED = 0, 1, 2
+FAULT_KINDS = ("compile", "exception", "nonfinite", "accuracy")
+
+# Tolerance (atol = rtol) per dtype for compiled vs eager, as torch's accuracy harness.
+TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class Verdict:
+    """The outcome of one check: ``failed`` is the predicate the minifier shrinks against."""
+
+    kind: str  # compile | exception | nonfinite | accuracy | ok | eager_error
+    message: str = ""
+    details: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return self.kind in FAULT_KINDS
+
+    @property
+    def undecided(self) -> bool:
+        return self.kind == "eager_error"
+
+
+# ----------------------------------------------------------------------------- inputs
+def input_meta(x: Any) -> dict[str, Any]:
+    """JSON-able description of one graph input, enough to regenerate it."""
+    if isinstance(x, torch.Tensor):
+        meta: dict[str, Any] = {
+            "kind": "tensor",
+            "shape": list(x.shape),
+            "stride": list(x.stride()),
+            "dtype": str(x.dtype).removeprefix("torch."),
+            "device": str(x.device),
+        }
+        if x.numel() and not x.is_floating_point() and not x.is_complex():
+            meta["min"] = int(x.min())
+            meta["max"] = int(x.max())
+        return meta
+    if isinstance(x, bool) or x is None or isinstance(x, (int, float)):
+        return {"kind": "scalar", "value": x}
+    if isinstance(x, torch.SymInt):
+        return {"kind": "scalar", "value": int(x)}
+    raise TypeError(f"enn repro: cannot describe an input of type {type(x).__name__}")
+
+
+def regenerate(meta: Sequence[dict[str, Any]], seed: int = 0) -> list[Any]:
+    """Inputs rebuilt from metadata: seeded random values of the recorded shape, stride and dtype.
+
+    Integer tensors are drawn from the recorded [min, max] so that indices stay in range.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out: list[Any] = []
+    for m in meta:
+        if m["kind"] == "scalar":
+            out.append(m["value"])
+            continue
+        dtype = getattr(torch, m["dtype"])
+        shape, stride = m["shape"], m["stride"]
+        extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) if all(shape) else 0
+        if dtype.is_floating_point or dtype.is_complex:
+            flat = torch.randn(extent, generator=gen, dtype=torch.float64).to(dtype)
+        elif dtype == torch.bool:
+            flat = torch.randint(0, 2, (extent,), generator=gen).bool()
+        else:
+            lo, hi = m.get("min", 0), m.get("max", 1)
+            flat = torch.randint(lo, hi + 1, (extent,), generator=gen, dtype=torch.int64).to(dtype)
+        out.append(flat.as_strided(shape, stride).to(m["device"]))
+    return out
+
+
+def load_inputs(path: str, meta: Sequence[dict[str, Any]]) -> list[Any]:
+    """The saved real inputs (``torch.load(weights_only=True)``), else regenerated ones."""
+    if "--regenerate" not in sys.argv and os.path.exists(path):
+        data = torch.load(path, weights_only=True)
+        return list(data["inputs"])
+    print(f"enn repro: {os.path.basename(path)} not used; regenerating inputs from metadata (seed 0)")
+    return regenerate(meta)
+
+
+def load_constants(module: torch.nn.Module, path: str, meta: dict[str, dict[str, Any]]) -> torch.nn.Module:
+    """Register the graph's tensor constants (``get_attr`` targets) as buffers of ``module``."""
+    if not meta:
+        return module
+    saved = torch.load(path, weights_only=True)["constants"] if os.path.exists(path) else {}
+    for name, m in meta.items():
+        value = saved[name] if name in saved else regenerate([m])[0]
+        owner = module
+        *parents, leaf = name.split(".")
+        for p in parents:
+            owner = getattr(owner, p)
+        owner.register_buffer(leaf, value)
+    return module
+
+
+def clone_input(x: Any) -> Any:
+    """A copy with the same size, stride and values (compiled code checks strides)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    out = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
+    with torch.no_grad():
+        out.copy_(x)
+    return out
+
+
+# ----------------------------------------------------------------------------- graphs
+def trace(module: Callable[..., Any], inputs: Sequence[Any]) -> fx.GraphModule:
+    """An ATen graph of ``module`` with fake ``meta['val']`` on every node (what enn compiles).
+
+    Integer inputs are the graph's symbolic sizes: they are traced symbolically.
+    """
+    symbolic = any(isinstance(x, int) and not isinstance(x, bool) for x in inputs)
+    with torch.no_grad():
+        return compat.make_fx(module, tracing_mode="symbolic" if symbolic else "fake")(*inputs)
+
+
+def fp64_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """Copy of ``gm`` in which every floating dtype argument names float64."""
+    new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+
+    def up(x: Any) -> Any:
+        if isinstance(x, torch.dtype) and x in _FLOAT_DTYPES:
+            return torch.float64
+        if isinstance(x, (list, tuple)):
+            return type(x)(up(v) for v in x)
+        return x
+
+    for n in new.graph.nodes:
+        if n.op == "call_function":
+            n.args = up(n.args)
+            n.kwargs = {k: up(v) for k, v in n.kwargs.items()}
+    new.recompile()
+    return new
+
+
+def _phase_kwargs(phase: str) -> dict[str, Any]:
+    if phase == "backward":
+        return {"is_backward": True}
+    if phase == "inference":
+        return {"is_inference": True}
+    return {}
+
+
+def resolve_options(options: dict[str, Any]) -> Any:
+    """The saved options (ENN_* variables still win), set up for a replay: guard off for the
+    fast path (compile errors raise), no persisted kernel state, no new repro scripts."""
+    from ..options import Options
+
+    opts = Options.from_sources(options)
+    return opts.replace(guard="strict", persist=False, repro=False)
+
+
+def fast_path(gm: fx.GraphModule, phase: str, opts: Any) -> Callable[[list], Any]:
+    """Compile ``gm`` as enn compiles one forward/backward graph: enn's post-grad passes,
+    lowerings and planted faults, without the runtime guard. Compile errors raise."""
+    from ..graph_compiler import GraphCompiler
+    from ..guard.faults import parse_fault_spec
+    from ..passes import PassManager
+
+    patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
+    patches["post_grad_custom_post_pass"] = PassManager(opts, "repro", "post_grad")
+    if opts.emulate_precision_casts:
+        patches["emulate_precision_casts"] = True
+    fake_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    compiler = GraphCompiler(gm, fake_inputs, _phase_kwargs(phase), opts=opts, unit="repro",
+                             config_patches=patches, fault_specs=parse_fault_spec(opts.fault_inject))
+    return compiler.build()
+
+
+# ----------------------------------------------------------------------------- comparing
+def _flat(outs: Any) -> list[Any]:
+    if isinstance(outs, (list, tuple)):
+        return [t for o in outs for t in _flat(o)]
+    return [outs]
+
+
+def _rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(torch.sqrt(torch.mean((a.double() - b.double()) ** 2))) if a.numel() else 0.0
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def compare(compiled: list[Any], eager: list[Any], ref: Callable[[], list[Any] | None]) -> Verdict:
+    """Output-by-output comparison; ``ref()`` computes the fp64 outputs on demand."""
+    if len(compiled) != len(eager):
+        return Verdict("accuracy", f"compiled returns {len(compiled)} outputs, eager {len(eager)}")
+    details: list[str] = []
+    kind = "ok"
+    ref_outs: list[Any] | None = None
+    ref_done = False
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        if not isinstance(e, torch.Tensor) or not isinstance(c, torch.Tensor):
+            if c != e and not (isinstance(c, float) and isinstance(e, float) and math.isclose(c, e)):
+                details.append(f"output {i}: compiled {c!r}, eager {e!r}")
+                kind = "accuracy" if kind == "ok" else kind
+            continue
+        if c.shape != e.shape or c.dtype != e.dtype:
+            details.append(f"output {i}: compiled {_describe(c)}, eager {_describe(e)}")
+            kind = "accuracy" if kind == "ok" else kind
+            continue
+        if not e.is_floating_point():
+            if not torch.equal(c, e):
+                details.append(f"output {i} {_describe(e)}: {int((c != e).sum())}/{e.numel()} elements differ")
+                kind = "accuracy" if kind == "ok" else kind
+            continue
+        c_bad, e_bad = ~torch.isfinite(c), ~torch.isfinite(e)
+        new_bad = c_bad & ~e_bad
+        if bool(new_bad.any()):
+            nans = int((torch.isnan(c) & ~e_bad).sum())
+            details.append(f"output {i} {_describe(e)}: {int(new_bad.sum())}/{e.numel()} non-finite "
+                           f"({nans} NaN) where eager is finite")
+            kind = "nonfinite"
+            continue
+        tol = TOLERANCE.get(e.dtype, 1e-4)
+        if torch.allclose(c, e, rtol=tol, atol=tol, equal_nan=True):
+            continue
+        ok = ~(c_bad | e_bad)
+        max_diff = float((c[ok].double() - e[ok].double()).abs().max()) if bool(ok.any()) else float("nan")
+        if not ref_done:
+            ref_outs, ref_done = ref(), True
+        r = ref_outs[i] if ref_outs is not None and i < len(ref_outs) else None
+        if isinstance(r, torch.Tensor) and r.shape == e.shape:
+            m = 2.0 if e.dtype == torch.float32 else 3.0
+            r = r.to(torch.float64)
+            err_c, err_e = _rmse(c[ok], r[ok]), _rmse(e[ok], r[ok])
+            line = (f"output {i} {_describe(e)}: max |compiled - eager| = {max_diff:.3g}; "
+                    f"RMSE vs fp64: compiled {err_c:.3g}, eager {err_e:.3g}")
+            if err_c <= m * err_e + tol / 10:
+                details.append(line + " (within tolerance of the fp64 reference)")
+                continue
+        else:
+            line = f"output {i} {_describe(e)}: max |compiled - eager| = {max_diff:.3g} (tol {tol:g}; no fp64 reference)"
+        details.append(line)
+        if kind == "ok":
+            kind = "accuracy"
+    message = {"ok": "compiled output matches eager", "nonfinite": "compiled output has NaN/Inf where eager is finite",
+               "accuracy": "compiled output differs from eager beyond tolerance"}[kind]
+    return Verdict(kind, message, details)
+
+
+def _run_eager(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[list[Any] | None, BaseException | None]:
+    try:
+        with torch.no_grad():
+            return _flat(fn(*[clone_input(x) for x in inputs])), None
+    except Exception as exc:  # noqa: BLE001
+        return None, exc
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    # Inductor wraps lowering errors; the cause's own message is the useful line.
+    cause = exc.__cause__ or exc.__context__
+    head = f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
+    if cause is not None and str(cause).strip():
+        head += f" (caused by {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]})"
+    return head
+
+
+def check(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, options: dict[str, Any],
+          gm: fx.GraphModule | None = None) -> Verdict:
+    """Run eager and enn's fast path on ``inputs``; say whether enn's fast path is at fault."""
+    inputs = list(inputs)
+    eager, eager_exc = _run_eager(module, inputs)
+    if eager_exc is not None:
+        return Verdict("eager_error", f"eager raises: {_one_line(eager_exc)}")
+    opts = resolve_options(options)
+    gm = gm if gm is not None else trace(module, inputs)
+    try:
+        compiled = fast_path(gm, phase, opts)
+    except Exception as exc:  # noqa: BLE001
+        return Verdict("compile", f"enn's compile raised {_one_line(exc)}")
+    try:
+        with torch.no_grad():
+            outs = _flat(compiled([clone_input(x) for x in inputs]))
+    except Exception as exc:  # noqa: BLE001
+        return Verdict("exception", f"the compiled graph raised {_one_line(exc)}")
+
+    def ref() -> list[Any] | None:
+        ref_in = [x.to(torch.float64) if isinstance(x, torch.Tensor) and x.dtype in _FLOAT_DTYPES else x for x in inputs]
+        out, exc = _run_eager(fp64_graph(gm), ref_in)
+        return out
+
+    return compare(outs, eager, ref)
+
+
+# ----------------------------------------------------------------------------- the script's main
+def run_repro(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, options: dict[str, Any],
+              expect: dict[str, Any] | None = None) -> int:
+    """Run a repro and print what differs. Returns the exit code (1: the fault reproduces)."""
+    expect = expect or {}
+    shown = {k: v for k, v in options.items()}
+    print(f"enn repro: {phase} graph, options {shown or '{}'}")
+    if expect:
+        print(f"  recorded fault: {expect.get('kind', '?')} at node(s) {', '.join(expect.get('nodes', [])) or '?'}"
+              + (f" ({expect['what']})" if expect.get("what") else ""))
+    t0 = time.perf_counter()
+    verdict = check(module, inputs, phase=phase, options=options)
+    print(f"  checked in {time.perf_counter() - t0:.1f}s: {verdict.kind}: {verdict.message}")
+    for line in verdict.details:
+        print(f"    {line}")
+    if verdict.undecided:
+        print("UNDECIDED: eager itself fails on these inputs (exit 2)")
+        return EXIT_UNDECIDED
+    if verdict.failed:
+        print(f"FAULT REPRODUCES ({verdict.kind}) (exit 1)")
+        return EXIT_FAULT
+    print("fault does not reproduce: enn's fast path agrees with eager (exit 0)")
+    return EXIT_OK
