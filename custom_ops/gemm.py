@@ -1,0 +1,321 @@
+"""``enn::gemm_bias_act(x, weight, bias, act)``: ``act(x @ weight.T + bias)`` in one op.
+
+``x`` is ``[..., K]``, ``weight`` is ``[N, K]`` (the ``nn.Linear`` layout), ``bias`` is
+``[N]`` or ``None``; the result is ``[..., N]`` in the dtype of ``x``.
+
+Activations (:data:`ACTIVATIONS`): ``relu``, ``gelu`` (exact, erf), ``gelu_tanh`` (the
+tanh approximation) and ``silu``. The two GELUs differ by up to ~5e-4 and are never
+interchanged.
+
+Which kernel runs is decided by :func:`select_kernel`, a pure function of the problem
+(device, dtype, activation, bias) and the hardware capabilities. The pass
+(``enn_backend.passes.epilogue``), the lowering (``enn_backend.lowerings.gemm``) and
+the eager implementation below all call it, so they always agree. Kernels:
+
+``cublaslt``  CUDA, relu and gelu_tanh: ``torch._addmm_activation`` (cuBLASLt GEMM with
+              the bias + activation epilogue; the pre-activation never reaches memory).
+              cuBLASLt's GELU epilogue is the tanh approximation (and so is
+              ``_addmm_activation(use_gelu=True)`` on CUDA), so exact GELU never goes here.
+              H200, bf16 8192x4096x4096 linear+bias+GELU: 0.406 ms vs Inductor 0.449 ms
+              (ANCHORS.md; ``bench/gpu_epilogue.py`` re-measures it).
+``onednn``    CPU, bf16 (and fp16 where oneDNN supports it): ``mkldnn._linear_pointwise``,
+              oneDNN's GEMM with a post-op for every activation here (erf and tanh GELU,
+              relu, swish). See :data:`CPU_MEASUREMENTS` for the numbers behind the rule.
+``aten``      the reference composite ``act(F.linear(x, weight, bias))``: what runs when no
+              fused kernel applies, and the last step of the eager ladder.
+
+:func:`select_kernel` returns ``inductor`` when no fused kernel beats what Inductor does
+on its own (an extern GEMM + one fused pointwise kernel): the pass then leaves the
+graph alone and the lowering emits Inductor IR (``aten`` in eager).
+
+Autograd: the backward needs the pre-activation's derivative. For relu it is read off
+the output (``out > 0``), so nothing extra is kept. For gelu, gelu_tanh and silu the op
+does not return the pre-activation; the backward recomputes it with one extra GEMM
+(``F.linear(x, weight, bias)``) instead of keeping an ``[M, N]`` tensor alive between
+forward and backward. That is a memory-for-compute trade (3 GEMMs in backward instead of
+2). enn's pass never relies on it: it rewrites a training graph only where the backward
+does not read the pre-activation (see the pass).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Reference activations (also the eager composite and the pass's fingerprints).
+ACT_FN = {
+    "relu": torch.relu,
+    "gelu": lambda y: F.gelu(y, approximate="none"),
+    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+}
+
+# oneDNN post-op spelling of each activation: (attr, scalars, algorithm)
+ONEDNN_POSTOP = {
+    "relu": ("relu", [], None),
+    "gelu": ("gelu", [], "none"),
+    "gelu_tanh": ("gelu", [], "tanh"),
+    "silu": ("swish", [], None),
+}
+
+# CPU timings behind the onednn rule: median microseconds, torch 2.13 CPU, 1 thread,
+# Xeon with AVX512-BF16/AMX, machine shared with other jobs (noisy, +-15%).
+# "inductor" is torch.compile(backend="inductor") of act(F.linear(x, w, b)) under no_grad,
+# "onednn" is mkldnn._linear_pointwise called directly, "eager" is the ATen composite.
+# shape (M, N, K)         act         eager  inductor  onednn
+CPU_MEASUREMENTS = {
+    ("bf16", 256, 512, 512): {"relu": (181, 214, 134), "gelu": (210, 287, 140),
+                              "gelu_tanh": (443, 527, 178), "silu": (282, 314, 161)},
+    ("bf16", 64, 256, 256): {"relu": (40, 66, 35), "gelu": (45, 65, 36),
+                             "gelu_tanh": (70, 94, 42), "silu": (46, 70, 36)},
+    ("bf16", 1024, 1024, 1024): {"relu": (2079, 2052, 1602), "gelu": (2173, 2586, 2131),
+                                 "gelu_tanh": (3630, 3618, 2257), "silu": (2218, 2328, 1968)},
+    ("fp32", 256, 512, 512): {"relu": (950, 1045, 871), "gelu": (835, 1041, 860),
+                              "gelu_tanh": (1099, 1269, 901), "silu": (819, 900, 803)},
+    ("fp32", 64, 256, 256): {"relu": (62, 94, 78), "gelu": (78, 90, 79),
+                             "gelu_tanh": (85, 110, 88), "silu": (58, 77, 77)},
+    ("fp32", 1024, 1024, 1024): {"relu": (14715, 12405, 12790), "gelu": (12440, 13204, 12706),
+                                 "gelu_tanh": (14381, 14952, 12858), "silu": (12735, 12986, 12612)},
+}
+
+
+# --------------------------------------------------------------------------- policy
+@dataclass(frozen=True)
+class HwCaps:
+    """What the machine offers the fused kernels."""
+
+    device_type: str
+    cublaslt: bool = False  # torch._addmm_activation on this CUDA device
+    onednn: bool = False  # mkldnn._linear_pointwise usable
+    onednn_bf16: bool = False  # oneDNN has native bf16 GEMM here (AVX512-BF16 / AMX)
+    onednn_fp16: bool = False  # oneDNN has native fp16 GEMM here (AVX512-FP16 / AMX-FP16)
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """The metadata a kernel choice depends on."""
+
+    device_type: str
+    dtype: torch.dtype
+    act: str
+    has_bias: bool
+    bias_dtype_matches: bool = True
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    kernel: str  # cublaslt | onednn | inductor
+    reason: str
+    actionable: bool = False  # the user could change something to get a fused kernel
+
+
+@functools.lru_cache(maxsize=8)
+def hw_caps(device_type: str) -> HwCaps:
+    """Capabilities of ``device_type`` (read once per process)."""
+    if device_type == "cuda":
+        return HwCaps("cuda", cublaslt=torch.cuda.is_available())
+    if device_type == "cpu":
+        onednn = bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        bf16 = fp16 = False
+        if onednn:
+            try:
+                bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                fp16 = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+            except (AttributeError, RuntimeError):
+                pass
+        return HwCaps("cpu", onednn=onednn, onednn_bf16=bf16, onednn_fp16=fp16)
+    return HwCaps(device_type)
+
+
+def check_activation(act: str) -> tuple[bool, str]:
+    if act in ACTIVATIONS:
+        return True, f"activation {act}"
+    return False, f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}"
+
+
+def check_dtype(p: GemmProblem) -> tuple[bool, str]:
+    if p.dtype not in SUPPORTED_DTYPES:
+        return False, f"dtype {p.dtype} is not fp32/bf16/fp16"
+    if not p.bias_dtype_matches:
+        return False, "bias dtype differs from the GEMM dtype (the add would promote)"
+    return True, f"dtype {p.dtype}"
+
+
+def check_cublaslt(p: GemmProblem, caps: HwCaps) -> tuple[bool, str]:
+    """torch._addmm_activation on CUDA: relu or tanh-GELU epilogue, needs a bias vector."""
+    if p.device_type != "cuda" or not caps.cublaslt:
+        return False, "not a CUDA device"
+    if p.act not in ("relu", "gelu_tanh"):
+        return False, (f"cuBLASLt has no {p.act} epilogue (its GELU is the tanh approximation); "
+                       "Inductor's GEMM + one fused pointwise kernel is as fast as anything enn has")
+    if not p.has_bias:
+        return False, "no bias: _addmm_activation needs a bias vector; Inductor's mm + fused activation instead"
+    return True, f"cuBLASLt GEMM with bias+{p.act} epilogue (torch._addmm_activation)"
+
+
+def check_onednn(p: GemmProblem, caps: HwCaps) -> tuple[bool, str]:
+    """mkldnn._linear_pointwise on CPU: only where it measured faster than Inductor."""
+    if p.device_type != "cpu" or not caps.onednn:
+        return False, "oneDNN not available"
+    if p.dtype == torch.bfloat16:
+        if not caps.onednn_bf16:
+            return False, "this CPU has no native bf16 GEMM in oneDNN"
+        return True, (f"oneDNN bf16 GEMM with {p.act} post-op: 1.1-3x faster than Inductor's addmm + "
+                      "C++ pointwise on CPU (custom_ops/gemm.py CPU_MEASUREMENTS)")
+    if p.dtype == torch.float16:
+        if not caps.onednn_fp16:
+            return False, "this CPU has no native fp16 GEMM in oneDNN"
+        return True, f"oneDNN fp16 GEMM with {p.act} post-op"
+    return False, ("fp32 on CPU: oneDNN's fused GEMM is within noise of Inductor's addmm + fused "
+                   "C++ pointwise (CPU_MEASUREMENTS); Inductor keeps it")
+
+
+def select_kernel(p: GemmProblem, caps: HwCaps | None = None) -> KernelChoice:
+    """The kernel for ``p``: a fused one where it beats Inductor, else ``inductor``."""
+    caps = caps if caps is not None else hw_caps(p.device_type)
+    ok, why = check_activation(p.act)
+    if not ok:
+        return KernelChoice("inductor", why)
+    ok, why = check_dtype(p)
+    if not ok:
+        return KernelChoice("inductor", why, actionable=not p.bias_dtype_matches)
+    if p.device_type == "cuda":
+        ok, why = check_cublaslt(p, caps)
+        if ok:
+            return KernelChoice("cublaslt", why)
+        # exact GELU: approximate="tanh" would get the cuBLASLt epilogue; worth telling the user
+        return KernelChoice("inductor", why, actionable=p.act == "gelu" and p.has_bias)
+    if p.device_type == "cpu":
+        ok, why = check_onednn(p, caps)
+        if ok:
+            return KernelChoice("onednn", why)
+        return KernelChoice("inductor", why, actionable=p.dtype == torch.float16)
+    return KernelChoice("inductor", f"no fused kernel for device {p.device_type!r}")
+
+
+def problem_of(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> GemmProblem:
+    return GemmProblem(
+        device_type=x.device.type,
+        dtype=x.dtype,
+        act=act,
+        has_bias=bias is not None,
+        bias_dtype_matches=bias is None or bias.dtype == x.dtype,
+    )
+
+
+# --------------------------------------------------------------------------- kernels
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def run_cublaslt(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, act: str) -> torch.Tensor:
+    return torch._addmm_activation(bias, x2, weight.t(), use_gelu=(act == "gelu_tanh"))
+
+
+def run_onednn(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> torch.Tensor:
+    attr, scalars, algorithm = ONEDNN_POSTOP[act]
+    b = None if bias is None else bias.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x2.contiguous(), weight.contiguous(), b, attr, scalars, algorithm)
+
+
+def run_aten(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> torch.Tensor:
+    return ACT_FN[act](F.linear(x2, weight, bias))
+
+
+KERNELS = {"cublaslt": run_cublaslt, "onednn": run_onednn, "aten": run_aten, "inductor": run_aten}
+
+_FAILED: set[tuple] = set()
+
+
+def _run_with_ladder(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> torch.Tensor:
+    """Fused kernel, and on an exception the ATen composite (recorded once per key)."""
+    choice = select_kernel(problem_of(x, weight, bias, act))
+    x2 = _flat(x)
+    key = (choice.kernel, x.device.type, x.dtype, act)
+    if choice.kernel in ("cublaslt", "onednn") and key not in _FAILED:
+        try:
+            out = KERNELS[choice.kernel](x2, weight, bias, act)
+            return out.reshape(*x.shape[:-1], weight.shape[0])
+        except RuntimeError as exc:
+            _FAILED.add(key)
+            from enn_backend.report import FallbackKind, report
+
+            report().add_fallback(
+                FallbackKind.EXCEPTION, node="enn::gemm_bias_act", phase="eager",
+                reason=f"{choice.kernel} kernel raised {type(exc).__name__}: {str(exc).strip()[:200]}",
+                action=f"ATen composite addmm + {act} for {x.device.type}/{x.dtype}/{act} from now on")
+    return run_aten(x2, weight, bias, act).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# --------------------------------------------------------------------------- the op
+def _check_args(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> None:
+    torch._check(act in ACTIVATIONS, lambda: f"enn::gemm_bias_act: act must be one of {ACTIVATIONS}, got {act!r}")
+    torch._check(weight.dim() == 2, lambda: "enn::gemm_bias_act: weight must be [N, K]")
+    torch._check(x.dim() >= 1 and x.shape[-1] == weight.shape[1],
+                 lambda: f"enn::gemm_bias_act: x[..., K] and weight[N, K] disagree: {tuple(x.shape)} vs {tuple(weight.shape)}")
+    torch._check(x.dtype == weight.dtype, lambda: "enn::gemm_bias_act: x and weight dtypes differ")
+    if bias is not None:
+        torch._check(bias.dim() == 1 and bias.shape[0] == weight.shape[0],
+                     lambda: "enn::gemm_bias_act: bias must be [N]")
+
+
+@torch.library.custom_op("enn::gemm_bias_act", mutates_args=())
+def gemm_bias_act(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> torch.Tensor:
+    """``act(x @ weight.T + bias)`` with the fastest kernel for the device (see module doc)."""
+    _check_args(x, weight, bias, act)
+    return _run_with_ladder(x, weight, bias, act)
+
+
+@gemm_bias_act.register_fake
+def _gemm_bias_act_fake(x, weight, bias, act):
+    _check_args(x, weight, bias, act)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, act = inputs
+    ctx.act = act
+    ctx.has_bias = bias is not None
+    if act == "relu":
+        # relu'(pre) = (out > 0): the output is all the backward needs besides x and weight
+        ctx.save_for_backward(x, weight, output)
+    else:
+        # the pre-activation is recomputed in backward (one GEMM) rather than kept alive
+        ctx.save_for_backward(x, weight, bias)
+
+
+def _backward(ctx, grad):
+    act = ctx.act
+    if act == "relu":
+        x, weight, out = ctx.saved_tensors
+        g = torch.where(out > 0, grad, torch.zeros((), dtype=grad.dtype, device=grad.device))
+    else:
+        x, weight, bias = ctx.saved_tensors
+        pre = F.linear(x, weight, bias)
+        if act == "silu":
+            g = torch.ops.aten.silu_backward(grad, pre)
+        else:
+            g = torch.ops.aten.gelu_backward(grad, pre, approximate="tanh" if act == "gelu_tanh" else "none")
+    g2 = _flat(g)
+    gx = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = (g2 @ weight).reshape(x.shape)
+    if ctx.needs_input_grad[1]:
+        gw = g2.t() @ _flat(x)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        gb = g2.sum(0)
+    return gx, gw, gb, None
+
+
+gemm_bias_act.register_autograd(_backward, setup_context=_setup_context)
