@@ -14,17 +14,16 @@ from typing import Any, Callable
 
 from . import compat
 
-# op -> decomposition; filled by enn_backend.precision (and other modules) at import.
+# op -> decomposition; filled by enn_backend.passes.precision_decomps at import (see its docstring
+# for the table of entries, why each exists and what it costs).
 ENN_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {}
 
 
 def _enn_entries(precision: bool) -> dict[Any, Callable[..., Any]]:
     if not precision:
         return {}
-    try:
-        from .passes import precision_decomps  # noqa: F401  (fills ENN_DECOMPOSITIONS)
-    except ImportError:
-        pass
+    from .passes import precision_decomps  # noqa: F401  (fills ENN_DECOMPOSITIONS)
+
     return dict(ENN_DECOMPOSITIONS)
 
 

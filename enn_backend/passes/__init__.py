@@ -86,7 +86,10 @@ def registered_passes() -> list[type[EnnPass]]:
     - epilogue before precision: it matches addmm + activation as Inductor emits them.
     - precision last: it promotes whatever low-precision reductions remain.
     """
-    return []
+    from .fp32_tail import Fp32TailPass
+    from .precision import PrecisionPass
+
+    return [PrecisionPass, Fp32TailPass]
 
 
 def enn_source_files() -> list[str]:
