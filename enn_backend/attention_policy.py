@@ -1,0 +1,211 @@
+"""Which kernel runs a fused attention: pure checkers, metadata in, (ok, reason) out.
+
+The attention pass describes each match as an :class:`AttentionProblem` and asks
+:func:`choose` for a backend of ``enn::attention`` (see enn_backend/custom_ops/attention.py):
+
+- ``flash`` / ``cudnn`` / ``efficient`` / ``math``: SDPA on CUDA with that backend forced;
+- ``flex``: FlexAttention (compiled), for causal / window / ALiBi structure with no mask tensor;
+- ``cpu_flash``: ATen's CPU flash kernel; ``explicit``: enn's own fp32 math (always possible).
+
+Preference: ``attention_backend`` (ENN_ATTENTION_BACKEND) forces one; ``attention_order``
+(ENN_ATTENTION_ORDER) sets the order; else the default order for the device. A forced choice
+that its checker refuses falls back to the first one that passes, and the caller records a
+``FallbackKind.KERNEL_CHOICE`` with the checker's reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+# Measured on an H200 (torch 2.11, bf16, B4 H16 D64; see bench/gpu_attention.py): cuDNN's Hopper
+# kernels and FA2 are close; cuDNN is tried first on sm90+, flash first before that.
+DEFAULT_ORDER_HOPPER = ("cudnn", "flash", "efficient", "flex", "math", "explicit")
+DEFAULT_ORDER_CUDA = ("flash", "efficient", "cudnn", "flex", "math", "explicit")
+# CPU: ATen's flash kernel beats Inductor's decomposed attention from T ~ 64 up (measured with
+# tests/test_attention.py::test_cpu_speed, noisy on 2 shared cores); explicit is the last resort.
+DEFAULT_ORDER_CPU = ("cpu_flash", "explicit")
+_NAME_MAP = {"flash": "flash", "cudnn": "cudnn", "efficient": "efficient", "math": "math",
+             "flex": "flex", "explicit": "explicit"}
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """What decides which kernel may run one attention."""
+
+    device: str  # "cuda" | "cpu" | ...
+    capability: tuple[int, int]  # (0, 0) off CUDA
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    head_dim: int
+    head_dim_v: int
+    tq: int
+    tk: int
+    heads_q: int
+    heads_kv: int
+    causal: bool
+    window: int
+    has_mask: bool  # a boolean keep-mask tensor
+    has_bias: bool  # an additive float tensor
+    bias_grad: bool  # the bias needs a gradient
+    alibi: bool  # per-head slopes (ALiBi-like), no tensor bias
+    training: bool
+    dropout: float = 0.0
+    exporting: bool = False
+
+
+Checker = Callable[[AttentionProblem], "tuple[bool, str]"]
+
+
+def _low(p: AttentionProblem) -> bool:
+    return p.dtype in ("bfloat16", "float16")
+
+
+def check_explicit(p: AttentionProblem) -> tuple[bool, str]:
+    return True, "enn's fp32 math: any device, dtype and mask"
+
+
+def check_cpu_flash(p: AttentionProblem) -> tuple[bool, str]:
+    if p.device != "cpu":
+        return False, f"CPU kernel, device is {p.device}"
+    if p.head_dim != p.head_dim_v:
+        return False, "CPU flash needs equal q/k and v head dims"
+    if p.bias_grad:
+        return False, "CPU flash backward gives no bias gradient"
+    return True, "ATen CPU flash kernel"
+
+
+def _cuda(p: AttentionProblem) -> tuple[bool, str]:
+    if p.device != "cuda":
+        return False, f"CUDA kernel, device is {p.device}"
+    if p.exporting:
+        return False, "export: keep the explicit math (no baked-in CUDA backend)"
+    return True, ""
+
+
+def check_flash(p: AttentionProblem) -> tuple[bool, str]:
+    ok, why = _cuda(p)
+    if not ok:
+        return ok, why
+    if p.capability < (8, 0):
+        return False, f"flash needs sm80+, have sm{p.capability[0]}{p.capability[1]}"
+    if not _low(p):
+        return False, f"flash needs fp16/bf16, have {p.dtype}"
+    if p.has_mask or p.has_bias or p.alibi:
+        return False, "flash takes no mask or bias tensor"
+    if p.window > 0:
+        return False, "flash (SDPA) has no sliding window"
+    if p.head_dim != p.head_dim_v or p.head_dim > 256 or p.head_dim % 8:
+        return False, f"flash needs equal head dims, a multiple of 8, <= 256 (have {p.head_dim}/{p.head_dim_v})"
+    return True, "SDPA flash: no mask tensor, fp16/bf16, sm80+"
+
+
+def check_cudnn(p: AttentionProblem) -> tuple[bool, str]:
+    ok, why = _cuda(p)
+    if not ok:
+        return ok, why
+    if p.capability < (9, 0):
+        return False, "cuDNN attention is preferred on Hopper (sm90) and newer only"
+    if not _low(p):
+        return False, f"cuDNN attention needs fp16/bf16, have {p.dtype}"
+    if p.window > 0:
+        return False, "cuDNN (SDPA) has no sliding window"
+    if p.has_mask and not p.has_bias:
+        return False, "cuDNN takes a float bias, not a boolean mask"
+    if p.bias_grad:
+        return False, "cuDNN attention gives no bias gradient"
+    if p.head_dim > 128 or p.head_dim % 8 or p.head_dim != p.head_dim_v:
+        return False, f"cuDNN needs equal head dims, a multiple of 8, <= 128 (have {p.head_dim}/{p.head_dim_v})"
+    if p.heads_q != p.heads_kv:
+        return False, "cuDNN (SDPA) does not take grouped-query K/V"
+    return True, "SDPA cuDNN: Hopper, fp16/bf16"
+
+
+def check_efficient(p: AttentionProblem) -> tuple[bool, str]:
+    ok, why = _cuda(p)
+    if not ok:
+        return ok, why
+    if p.capability < (5, 0):
+        return False, "memory-efficient attention needs sm50+"
+    if p.head_dim % 8 or p.head_dim_v % 8:
+        return False, "memory-efficient attention needs head dims that are multiples of 8"
+    if p.window > 0 and p.tk * p.tq > (1 << 24):
+        return False, "sliding window as a mask tensor is quadratic in T; use flex"
+    return True, "SDPA memory-efficient: masks and bias tensors (with bias gradient)"
+
+
+def check_math(p: AttentionProblem) -> tuple[bool, str]:
+    ok, why = _cuda(p)
+    if not ok:
+        return ok, why
+    return True, "SDPA math on CUDA: any mask; quadratic memory"
+
+
+def check_flex(p: AttentionProblem) -> tuple[bool, str]:
+    if p.device != "cuda":
+        return False, "FlexAttention is used on CUDA only (CPU flex is inference-only and compiles slowly)"
+    if p.exporting:
+        return False, "export: FlexAttention is a prototype API"
+    if p.has_mask or p.has_bias:
+        return False, "flex is used for structure only (causal / window / ALiBi slopes), not mask tensors"
+    if not (p.causal or p.window > 0 or p.alibi):
+        return False, "no structure for flex to exploit; SDPA is faster"
+    if p.head_dim < 16 or p.head_dim & (p.head_dim - 1):
+        return False, f"flex's Triton template wants a power-of-two head dim >= 16, have {p.head_dim}"
+    return True, "FlexAttention: structure as score_mod / block_mask, no quadratic tensor"
+
+
+CHECKERS: dict[str, Checker] = {
+    "cudnn": check_cudnn,
+    "flash": check_flash,
+    "efficient": check_efficient,
+    "math": check_math,
+    "flex": check_flex,
+    "cpu_flash": check_cpu_flash,
+    "explicit": check_explicit,
+}
+
+
+def default_order(p: AttentionProblem) -> tuple[str, ...]:
+    if p.device == "cpu":
+        return DEFAULT_ORDER_CPU
+    if p.device == "cuda":
+        order = DEFAULT_ORDER_HOPPER if p.capability >= (9, 0) else DEFAULT_ORDER_CUDA
+        if p.alibi or p.window > 0:  # structure: flex avoids the T x T bias/mask tensor
+            order = ("flex",) + tuple(o for o in order if o != "flex")
+        return order
+    return ("explicit",)
+
+
+def _expand(name: str, p: AttentionProblem) -> list[str]:
+    """Option names to backends: 'flash' on CPU means ATen's CPU flash kernel."""
+    if name == "flash" and p.device == "cpu":
+        return ["cpu_flash"]
+    if name == "auto":
+        return list(default_order(p))
+    return [_NAME_MAP.get(name, name)]
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str
+    reason: str
+    forced_failed: str = ""  # the forced/preferred backend that was impossible, and why
+
+
+def choose(p: AttentionProblem, backend: str = "auto", order: str = "") -> Choice:
+    """Pick the backend for ``p``: forced -> order -> default order; explicit always works."""
+    preferred: list[str] = []
+    if backend != "auto":
+        preferred = _expand(backend, p)
+    elif order:
+        for name in order.split(","):
+            preferred += _expand(name.strip(), p)
+    fallback = list(default_order(p)) + ["explicit"]
+    failed = ""
+    for i, name in enumerate(preferred + fallback):
+        ok, why = CHECKERS[name](p)
+        if ok:
+            return Choice(name, why, failed)
+        if backend != "auto" and i < len(preferred) and not failed:
+            failed = f"{backend} impossible: {why}"
+    return Choice("explicit", "nothing else applies", failed)

@@ -1,0 +1,684 @@
+"""Attention pass: hand-written ``softmax(Q Kᵀ · s + bias, masked) V`` -> ``enn::attention``.
+
+A hand-written graph matcher over the post-decomposition ATen joint graph (training: forward +
+backward; inference: forward only). It starts at each ``bmm(P, V)`` and walks up:
+
+    O = view(bmm(view(expand(cast?(softmax(x)))), view(expand(V))))
+    x = cast? / where(cond, fill, ·) / add(·, bias) / mul|div(·, c) ... around
+        view(bmm(view(expand(Q·c?)), view(expand(permute(K·c?)))))
+
+softmax is ``_softmax`` or Inductor's decomposition ``exp(x - amax) / sum``; the fill of a
+``masked_fill``/``where`` is ``-inf`` or ``finfo.min``; K/V may be grouped-query (``unsqueeze ->
+expand -> clone -> view``, what ``repeat_interleave`` and HF's ``repeat_kv`` produce). A mask built
+from constants only (``tril``, ``triu``, ``arange`` compares) is evaluated at compile time and, when
+it is causal or a sliding-window band, becomes a flag instead of a tensor.
+
+Training: the forward region is replaced by one ``enn::attention`` node and its backward — every
+joint-graph node whose ``seq_nr`` belongs to a forward node of the region (AOT Autograd tags each
+backward node with the forward op it differentiates) — by one ``enn::attention_backward``. The
+gradients leaving that backward region are mapped to q / k / v / bias by shape, then by the
+forward op they differentiate; anything ambiguous leaves the graph alone (recorded).
+
+Anything that is not exactly attention (another reduction than softmax over the key axis, a
+dropout between softmax and the second matmul, an intermediate used elsewhere) is left alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from .. import compat
+from ..attention_policy import AttentionProblem, choose
+from ..report import FallbackKind, report
+from . import EnnPass, PassContext
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default}
+_CAST = {prims.convert_element_type.default}
+_EVAL_LIMIT = 1 << 26  # largest constant mask evaluated at compile time (elements)
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _shape(n: Any) -> Optional[tuple]:
+    v = _val(n)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def _is(n: Any, *targets: Any) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in targets
+
+
+def _one_user(n: fx.Node) -> bool:
+    return len(n.users) == 1
+
+
+def _skip_views(n: Any, also: tuple = ()) -> Any:
+    """Walk up through shape-only ops (view/alias/clone/expand without broadcasting) and ``also``."""
+    while isinstance(n, fx.Node):
+        if n.target in _VIEWS or n.target in also:
+            n = n.args[0]
+        elif n.target is aten.clone.default:
+            n = n.args[0]
+        elif n.target is aten.expand.default and _shape(n.args[0]) == _shape(n):
+            n = n.args[0]
+        else:
+            break
+    return n
+
+
+def _scalar(n: Any) -> Optional[float]:
+    """A Python number, or a 0-d ``full`` constant node's value."""
+    if isinstance(n, (int, float)) and not isinstance(n, bool):
+        return float(n)
+    if _is(n, aten.full.default) and list(n.args[0]) == [] and isinstance(n.args[1], (int, float)):
+        return float(n.args[1])
+    if _is(n, *_CAST):
+        return _scalar(n.args[0])
+    return None
+
+
+# ----------------------------------------------------------------------------- matching
+@dataclass
+class Match:
+    out: fx.Node  # the [B, H, Tq, Dv] (or [B, Tq, Dv]) output node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float
+    three_d: bool
+    bias_terms: list = field(default_factory=list)  # (node, factor)
+    masks: list = field(default_factory=list)  # (cond node, keep_when_true, fill)
+    region_roots: list = field(default_factory=list)  # nodes where the region starts
+
+
+def _softmax_input(n: fx.Node) -> Optional[fx.Node]:
+    """``x`` if ``n`` is softmax(x) over the last axis (ATen or Inductor's decomposition)."""
+    if _is(n, aten._softmax.default):
+        x, dim = n.args[0], n.args[1]
+        return x if dim in (-1, len(_shape(x)) - 1) else None
+    if not _is(n, aten.div.Tensor):
+        return None
+    e, s = n.args
+    if not (_is(e, aten.exp.default) and _is(s, aten.sum.dim_IntList) and s.args[0] is e):
+        return None
+    sub = e.args[0]
+    if not _is(sub, aten.sub.Tensor):
+        return None
+    x, amax = sub.args
+    if not (_is(amax, aten.amax.default) and amax.args[0] is x):
+        return None
+    nd = len(_shape(x))
+    for r in (amax, s):
+        dims = list(r.args[1])
+        if dims not in ([-1], [nd - 1]) or not (len(r.args) > 2 and r.args[2]):
+            return None
+    return x
+
+
+def _qk(n: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float, bool]]:
+    """(q, k, scale, three_d) if ``n`` is the Q·Kᵀ product (4-D via view or a plain 3-D bmm)."""
+    three_d = _is(n, aten.bmm.default)
+    mm = n if three_d else (n.args[0] if _is(n, *_VIEWS) else None)
+    if not _is(mm, aten.bmm.default):
+        return None
+    a, b = mm.args
+    scale = 1.0
+    q = _skip_views(a)
+    kt = _skip_views(b)
+    for side in ("q", "k"):
+        node = q if side == "q" else kt
+        while _is(node, aten.mul.Tensor, aten.div.Tensor) and _scalar(node.args[1]) is not None:
+            c = _scalar(node.args[1])
+            scale = scale * c if node.target is aten.mul.Tensor else scale / c
+            node = _skip_views(node.args[0])
+        if side == "q":
+            q = node
+        else:
+            kt = node
+    if not _is(kt, aten.permute.default):
+        return None
+    nd = len(_shape(kt))
+    perm = list(kt.args[1])
+    if perm != list(range(nd - 2)) + [nd - 1, nd - 2]:
+        return None
+    k = kt.args[0]
+    while _is(k, aten.mul.Tensor, aten.div.Tensor) and _scalar(k.args[1]) is not None:
+        c = _scalar(k.args[1])
+        scale = scale * c if k.target is aten.mul.Tensor else scale / c
+        k = _skip_views(k.args[0])
+    want = 3 if three_d else 4
+    if len(_shape(q)) != want or len(_shape(k)) != want:
+        return None
+    return q, k, scale, three_d
+
+
+def _fill(n: Any) -> Optional[float]:
+    v = _scalar(n)
+    if v is None:
+        return None
+    if v == float("-inf"):
+        return v
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        if v <= torch.finfo(dt).min:
+            return v
+    return None
+
+
+def _peel_scores(x: fx.Node, m: dict) -> Optional[tuple]:
+    """Walk from the softmax input to Q·Kᵀ, collecting scale, bias terms and masks."""
+    factor = 1.0  # product of the scale factors applied outside the current node
+    n = x
+    while True:
+        got = _qk(n)
+        if got is not None:
+            q, k, s, three_d = got
+            return q, k, s * factor, three_d
+        n = _skip_views(n, also=tuple(_CAST))
+        if _is(n, aten.where.self):
+            cond, a, b = n.args
+            fa, fb = _fill(a), _fill(b)
+            if fa is not None and isinstance(b, fx.Node):
+                m["masks"].append((cond, False, fa, factor))
+                n = b
+            elif fb is not None and isinstance(a, fx.Node):
+                m["masks"].append((cond, True, fb, factor))
+                n = a
+            else:
+                return None
+            continue
+        if _is(n, aten.add.Tensor) and not n.kwargs and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
+            for score, bias in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+                sub: dict = {"masks": [], "bias": []}
+                got = _peel_scores(score, sub)
+                if got is not None:
+                    if not isinstance(_val(bias), torch.Tensor) or not _val(bias).is_floating_point():
+                        return None
+                    m["bias"].append((bias, factor))
+                    q, k, s, three_d = got
+                    m["masks"] += [(c, p, f, fac * factor) for c, p, f, fac in sub["masks"]]
+                    m["bias"] += [(b, fac * factor) for b, fac in sub["bias"]]
+                    return q, k, s * factor, three_d
+            return None
+        if _is(n, aten.mul.Tensor, aten.div.Tensor) and _scalar(n.args[1]) is not None:
+            c = _scalar(n.args[1])
+            if c == 0:
+                return None
+            factor = factor * c if n.target is aten.mul.Tensor else factor / c
+            if factor <= 0:
+                return None
+            n = n.args[0]
+            continue
+        got = _qk(n)
+        if got is None:
+            return None
+        q, k, s, three_d = got
+        return q, k, s * factor, three_d
+
+
+def match_at(bmm: fx.Node) -> Optional[Match]:
+    """A Match if ``bmm`` is the P·V product of an attention."""
+    p, vv = bmm.args
+    p = _skip_views(p, also=tuple(_CAST))
+    x = _softmax_input(p)
+    if x is None:
+        return None
+    m: dict = {"masks": [], "bias": []}
+    got = _peel_scores(x, m)
+    if got is None:
+        return None
+    q, k, scale, three_d = got
+    v = _skip_views(vv)
+    out = bmm
+    if not three_d:
+        users = list(bmm.users)
+        if len(users) != 1 or not _is(users[0], *_VIEWS) or len(_shape(users[0])) != 4:
+            return None
+        out = users[0]
+    if len(_shape(v)) != (3 if three_d else 4):
+        return None
+    if any(f != 1.0 and fill != float("-inf") for _, _, fill, f in m["masks"]):
+        return None  # a finite fill that was rescaled afterwards is no longer finfo.min
+    return Match(out=out, q=q, k=k, v=v, scale=scale, three_d=three_d, bias_terms=m["bias"], masks=m["masks"])
+
+
+def _gqa_base(n: fx.Node) -> tuple[fx.Node, int]:
+    """(K/V with Hkv heads, n_rep) if ``n`` is ``view(clone(expand(unsqueeze(x, 2))))``."""
+    a = n
+    if _is(a, *_VIEWS):
+        a = a.args[0]
+        if _is(a, aten.clone.default):
+            a = a.args[0]
+        if _is(a, aten.expand.default):
+            u = a.args[0]
+            if _is(u, aten.unsqueeze.default) and u.args[1] == 2 and len(_shape(u.args[0])) == 4:
+                base = u.args[0]
+                b, hkv, t, d = _shape(base)
+                es = _shape(a)
+                if es[:2] == (b, hkv) and es[3:] == (t, d) and _shape(n)[1] == hkv * es[2]:
+                    return base, es[2]
+    return n, 1
+
+
+# ----------------------------------------------------------------------------- constant masks
+def _constant_value(n: fx.Node) -> Optional[torch.Tensor]:
+    """Evaluate ``n`` on real tensors if it depends on constants only (small, static shapes)."""
+    order: list[fx.Node] = []
+    seen: set = set()
+    stack = [n]
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op != "call_function":
+            return None
+        v = _val(x)
+        if isinstance(v, torch.Tensor):
+            if any(not isinstance(s, int) for s in v.shape) or v.numel() > _EVAL_LIMIT:
+                return None
+        if torch.Tag.nondeterministic_seeded in getattr(x.target, "tags", ()):
+            return None
+        order.append(x)
+        stack.extend(x.all_input_nodes)
+    env: dict = {}
+    try:
+        with contextlib.nullcontext():  # the joint passes run outside fake mode: real tensors
+            for x in sorted(order, key=_topo_index(n.graph)):
+                args = fx.map_arg(x.args, lambda a: env[a])
+                kwargs = fx.map_arg(x.kwargs, lambda a: env[a])
+                env[x] = x.target(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - an op that will not run on real tensors: not constant
+        log.debug("enn attention: constant mask %s not evaluated: %s", n.name, exc)
+        return None
+    out = env[n]
+    return out if type(out) is torch.Tensor else None  # a FakeTensor means fake mode was active
+
+
+_TOPO: dict = {}
+
+
+def _topo_index(graph: fx.Graph):
+    idx = {x: i for i, x in enumerate(graph.nodes)}
+    return lambda x: idx[x]
+
+
+def _classify_keep(keep: torch.Tensor, tq: int, tk: int) -> Optional[tuple[str, int]]:
+    """('none'|'causal'|'window', w) if the keep-mask is that structure for every batch/head."""
+    if keep.dim() < 2 or keep.shape[-2:] not in ((tq, tk),):
+        return None
+    flat = keep.reshape(-1, tq, tk)
+    first = flat[0]
+    if not bool((flat == first).all()):
+        return None
+    if bool(first.all()):
+        return "none", 0
+    i = torch.arange(tq).view(tq, 1)
+    j = torch.arange(tk).view(1, tk)
+    causal = j <= i
+    if not bool((first & ~causal).any()):
+        # a band: keys i - w < j <= i for some w
+        counts = first.sum(-1)
+        w = int(counts.max())
+        band = causal & (i - j < w)
+        if bool((first == band).all()):
+            return ("causal", 0) if w >= tk else ("window", w)
+    return None
+
+
+# ----------------------------------------------------------------------------- the pass
+class AttentionPass(EnnPass):
+    """Fuse hand-written attention into ``enn::attention`` (+ ``enn::attention_backward``)."""
+
+    name = "attention"
+    option = "attention"
+    stage = "joint"
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
+        import enn_backend.custom_ops  # noqa: F401  (the enn ops must be registered)
+
+        count = 0
+        for n in list(graph.nodes):
+            if n.graph is not graph or not _is(n, aten.bmm.default):
+                continue
+            m = match_at(n)
+            if m is None:
+                continue
+            try:
+                done = _Rewrite(graph, m, self.opts, ctx).run()
+            except _Skip as why:
+                report().add_fallback(FallbackKind.PASS_SKIPPED, node=n.name, phase="compile", graph=ctx.unit,
+                                      reason=f"attention at {n.name} not fused: {why}", action="left as written",
+                                      level=logging.INFO)
+                done = False
+            if done:
+                count += 1
+                ctx.fusion("attention")
+        if count:
+            graph.eliminate_dead_code()
+            compat.stable_topological_sort(graph)
+            graph.lint()
+        return count
+
+
+class _Skip(Exception):
+    pass
+
+
+_TRANSPARENT_BWD = (aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.clone.default,
+                    aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default)
+
+
+class _Rewrite:
+    def __init__(self, graph: fx.Graph, m: Match, opts: Any, ctx: PassContext) -> None:
+        self.g, self.m, self.opts, self.ctx = graph, m, opts, ctx
+        self.mode = _fake_mode(graph)
+
+    # -- node helpers
+    def call(self, target: Any, args: tuple, kwargs: Optional[dict] = None, before: Optional[fx.Node] = None) -> fx.Node:
+        with self.g.inserting_before(before or self.m.out):
+            n = self.g.call_function(target, args, kwargs or {})
+        vals = fx.map_arg((args, kwargs or {}), _val)
+        with self.mode:
+            n.meta["val"] = target(*vals[0], **vals[1])
+        return n
+
+    def run(self) -> bool:
+        m = self.m
+        q, k, v = m.q, m.k, m.v
+        k_base, rep_k = (k, 1) if m.three_d else _gqa_base(k)
+        v_base, rep_v = (v, 1) if m.three_d else _gqa_base(v)
+        if rep_k != rep_v or rep_k == 1:
+            k_base, v_base = k, v
+        qs, ks, vs = _shape(q), _shape(k_base), _shape(v_base)
+        tq, tk = qs[-2], ks[-2]
+        if any(not isinstance(s, int) for s in qs + ks + vs):
+            pass  # symbolic sizes are fine; structure classification below needs ints only
+        # masks: constant ones become flags, others keep-masks (bool) or float bias terms
+        causal, window = False, 0
+        keep_nodes: list = []
+        bias_terms = list(m.bias_terms)
+        minfill_masks: list = []
+        for cond, keep_when_true, fill, _factor in m.masks:
+            cv = _constant_value(cond)
+            if cv is not None:
+                keep = cv if keep_when_true else ~cv
+                cls = _classify_keep(keep, tq, tk) if isinstance(tq, int) and isinstance(tk, int) else None
+                if cls is not None:
+                    kind, w = cls
+                    if kind == "none":
+                        continue
+                    causal, window = True, (w if kind == "window" else window)
+                    continue
+            if fill == float("-inf"):
+                keep_nodes.append((cond, keep_when_true))
+            else:
+                minfill_masks.append((cond, keep_when_true, fill))
+        structural_bias = []
+        for term, factor in bias_terms:
+            cv = _constant_value(term)
+            if cv is not None and factor == 1.0 and cv.is_floating_point():
+                finite = torch.isfinite(cv)
+                lowest = cv.min() if cv.numel() else torch.tensor(0.0)
+                zero_or_masked = bool(((cv == 0) | ~finite | (cv <= torch.finfo(cv.dtype).min)).all())
+                if zero_or_masked and isinstance(tq, int) and isinstance(tk, int):
+                    cls = _classify_keep(cv == 0, tq, tk)
+                    fill_is_inf = not bool(finite.all())
+                    if cls is not None and (cls[0] != "none" or True):
+                        kind, w = cls
+                        if kind != "none":
+                            causal, window = True, (w if kind == "window" else window)
+                        del lowest, fill_is_inf
+                        continue
+            structural_bias.append((term, factor))
+        bias_terms = structural_bias
+        if causal and tq != tk:
+            raise _Skip("causal mask with Tq != Tk (SDPA's causal is top-left aligned)")
+        # ---- the graph regions and their gradients
+        inputs = [q, k_base, v_base] + [t for t, _ in bias_terms]
+        region = _region(m.out, inputs)
+        training = any(n.op == "placeholder" and _is_bwd(n) for n in self.g.nodes)
+        bwd = _backward_region(self.g, region, inputs) if training else set()
+        _check_closed(region, bwd, m.out)
+        exits = _exits(bwd) if training else []
+        grads = _map_exits(exits, inputs, region, bwd) if training else {}
+        grad_out = _grad_out(bwd, region, inputs, m.out) if grads else None
+        if grads and grad_out is None:
+            raise _Skip("could not find the gradient of the attention output")
+        bias_grad = any(i >= 3 for i in grads)
+        if bias_grad and (len(bias_terms) != 1 or bias_terms[0][1] != 1.0):
+            raise _Skip("gradient needed for a bias built from several terms")
+        # ---- build the op's inputs
+        before = m.out
+        q4, k4, v4 = q, k_base, v_base
+        if m.three_d:
+            q4, k4, v4 = (self.call(aten.unsqueeze.default, (t, 1), before=before) for t in (q, k_base, v_base))
+        bias = None
+        for term, factor in bias_terms:
+            t = term if factor == 1.0 else self.call(aten.mul.Tensor, (term, factor), before=before)
+            bias = t if bias is None else self.call(aten.add.Tensor, (bias, t), before=before)
+        for cond, keep_when_true, fill in minfill_masks:  # finfo.min fill: eager averages dead rows; a bias does too
+            keep = cond if keep_when_true else self.call(aten.bitwise_not.default, (cond,), before=before)
+            zero = self.call(aten.full.default, ([], 0.0), {"dtype": _val(q).dtype, "device": _val(q).device}, before=before)
+            low = self.call(aten.full.default, ([], fill), {"dtype": _val(q).dtype, "device": _val(q).device}, before=before)
+            t = self.call(aten.where.self, (keep, zero, low), before=before)
+            bias = t if bias is None else self.call(aten.add.Tensor, (bias, t), before=before)
+        mask = None
+        for cond, keep_when_true in keep_nodes:
+            keep = cond if keep_when_true else (cond.args[0] if _is(cond, aten.bitwise_not.default)
+                                                else self.call(aten.bitwise_not.default, (cond,), before=before))
+            mask = keep if mask is None else self.call(aten.bitwise_and.Tensor, (mask, keep), before=before)
+        if bias is not None and m.three_d:
+            pass  # a [B, Tq, Tk] bias broadcasts against [B, 1, Tq, Tk] after unsqueeze below
+        if m.three_d:
+            if bias is not None and len(_shape(bias)) == 3:
+                bias = self.call(aten.unsqueeze.default, (bias, 1), before=before)
+            if mask is not None and len(_shape(mask)) == 3:
+                mask = self.call(aten.unsqueeze.default, (mask, 1), before=before)
+        backend = self._choose(q4, k4, v4, mask, bias, bias_grad, causal, window, training and bool(grads))
+        masked_rows = "zero" if self.opts.masked_rows == "zero" else "eager"
+        fwd = self.call(torch.ops.enn.attention.default,
+                        (q4, k4, v4, bias, mask, None, float(m.scale), causal, int(window), 0.0, masked_rows, backend),
+                        before=before)
+        out = self.call(operator.getitem, (fwd, 0), before=before)
+        lse = self.call(operator.getitem, (fwd, 1), before=before)
+        res = out
+        if m.three_d:
+            res = self.call(aten.squeeze.dim, (out, 1), before=before)
+        if _shape(res) != _shape(m.out):
+            raise _Skip(f"output shape {_shape(res)} != {_shape(m.out)}")
+        m.out.replace_all_uses_with(res)
+        if grads:
+            first_bwd = min((n for n in bwd), key=_topo_index(self.g))
+            g_in = grad_out
+            if m.three_d:
+                g_in = self.call(aten.unsqueeze.default, (grad_out, 1), before=first_bwd)
+            b = self.call(torch.ops.enn.attention_backward.default,
+                          (g_in, q4, k4, v4, bias, mask, None, out, lse, float(m.scale), causal, int(window),
+                           masked_rows, backend, bias_grad), before=first_bwd)
+            for idx, exit_node in grads.items():
+                gi = self.call(operator.getitem, (b, min(idx, 3)), before=first_bwd)
+                if m.three_d and idx < 3:
+                    gi = self.call(aten.squeeze.dim, (gi, 1), before=first_bwd)
+                if _shape(gi) != _shape(exit_node):
+                    raise _Skip(f"gradient shape {_shape(gi)} != {_shape(exit_node)}")
+                exit_node.replace_all_uses_with(gi)
+        self.ctx.kernel_choice(m.out.name, backend, self.reason,
+                               causal=causal, window=window, gqa=_shape(q4)[1] != _shape(k4)[1],
+                               mask=mask is not None, bias=bias is not None, training=bool(grads))
+        return True
+
+    def _choose(self, q, k, v, mask, bias, bias_grad, causal, window, training) -> str:
+        qv, kv, vv = _val(q), _val(k), _val(v)
+        dev = qv.device
+        cap = (0, 0)
+        if dev.type == "cuda" and torch.cuda.is_available():
+            cap = torch.cuda.get_device_capability(dev)
+        p = AttentionProblem(
+            device=dev.type, capability=tuple(cap), dtype=str(qv.dtype).removeprefix("torch."),
+            head_dim=int(qv.shape[-1]), head_dim_v=int(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
+            heads_q=int(qv.shape[1]), heads_kv=int(kv.shape[1]), causal=causal, window=window,
+            has_mask=mask is not None, has_bias=bias is not None, bias_grad=bias_grad, alibi=False,
+            training=training)
+        c = choose(p, self.opts.attention_backend, self.opts.attention_order)
+        self.reason = c.reason
+        if c.forced_failed:
+            report().add_fallback(FallbackKind.KERNEL_CHOICE, node=self.m.out.name, phase="compile", graph=self.ctx.unit,
+                                  reason=c.forced_failed, action=f"using {c.backend} ({c.reason})")
+        return c.backend
+
+
+def _hint(s: Any) -> int:
+    try:
+        return int(s)
+    except Exception:  # noqa: BLE001 - symbolic size without a hint
+        return 0
+
+
+def _fake_mode(graph: fx.Graph) -> Any:
+    from torch._guards import detect_fake_mode
+
+    vals = [_val(n) for n in graph.nodes if n.op == "placeholder"]
+    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        raise _Skip("graph has no fake tensors to compute metadata from")
+    return mode
+
+
+def _is_bwd(n: fx.Node) -> bool:
+    return n.meta.get("partitioner_tag") == "is_backward" or bool(n.meta.get("autograd_backward"))
+
+
+def _region(out: fx.Node, inputs: list) -> set:
+    """Forward nodes on a path from an input to ``out`` (inputs excluded), plus the constants
+    (scale/fill/mask nodes with no input in the region) feeding it."""
+    inputs_set = set(inputs)
+    anc: set = set()
+    stack = [out]
+    while stack:
+        n = stack.pop()
+        if n in anc or n in inputs_set:
+            continue
+        if n.op != "call_function":
+            continue
+        anc.add(n)
+        stack.extend(n.all_input_nodes)
+    return anc
+
+
+def _seq(n: fx.Node) -> Any:
+    return n.meta.get("seq_nr")
+
+
+def _backward_region(graph: fx.Graph, region: set, inputs: list) -> set:
+    """Backward nodes that differentiate forward nodes of ``region`` (by AOT's ``seq_nr``)."""
+    seqs = {_seq(n) for n in region if _seq(n) is not None and isinstance(_val(n), torch.Tensor)
+            and _val(n).is_floating_point()}
+    bwd = {n for n in graph.nodes if n.op == "call_function" and _is_bwd(n) and _seq(n) in seqs}
+    # accumulation/helper nodes without a seq_nr whose inputs all come from the region
+    changed = True
+    allowed = region | set(inputs)
+    while changed:
+        changed = False
+        for n in graph.nodes:
+            if n in bwd or n.op != "call_function" or not _is_bwd(n) or _seq(n) is not None:
+                continue
+            ins = n.all_input_nodes
+            if ins and any(i in bwd for i in ins) and all(i in bwd or i in allowed for i in ins):
+                bwd.add(n)
+                changed = True
+    return bwd
+
+
+def _check_closed(region: set, bwd: set, out: fx.Node) -> None:
+    """Every intermediate of the forward region is used only by the region or its backward."""
+    for n in region:
+        if n is out:
+            continue
+        for u in n.users:
+            if u not in region and u not in bwd:
+                if _val(n) is not None and not isinstance(_val(n), torch.Tensor):
+                    continue
+                raise _Skip(f"intermediate {n.name} is also used by {u.name}")
+
+
+def _exits(bwd: set) -> list:
+    return [n for n in bwd if any(u not in bwd for u in n.users)]
+
+
+def _private(region: set, inputs: list) -> dict:
+    """For each input index: the region nodes that depend on that input alone."""
+    deps: dict = {}
+    order = sorted(region | set(inputs), key=_topo_index(next(iter(region)).graph))
+    for n in order:
+        if n in inputs:
+            deps[n] = {inputs.index(n)}
+        else:
+            s: set = set()
+            for a in n.all_input_nodes:
+                s |= deps.get(a, set())
+            deps[n] = s
+    return {i: {n for n in region if deps.get(n) == {i}} for i in range(len(inputs))}
+
+
+def _map_exits(exits: list, inputs: list, region: set, bwd: set) -> dict:
+    """{input index: exit node}: which gradient each exit is (by shape, then by seq_nr)."""
+    private = _private(region, inputs)
+    result: dict = {}
+    for e in exits:
+        cands = [i for i, x in enumerate(inputs) if _shape(x) == _shape(e) and _val(x).dtype == _val(e).dtype]
+        if len(cands) > 1:
+            by_seq = [i for i in cands if any(_seq(p) == _seq(e) for p in private[i])]
+            if len(by_seq) == 1:
+                cands = by_seq
+            else:
+                cands = _by_bmm_operand(e, cands, inputs, bwd)
+        if len(cands) != 1 or cands[0] in result:
+            raise _Skip(f"cannot tell which input backward node {e.name} is the gradient of")
+        result[cands[0]] = e
+    return result
+
+
+def _by_bmm_operand(e: fx.Node, cands: list, inputs: list, bwd: set) -> list:
+    """bmm backward: grad(self) = bmm(g, permute(mat2)); grad(mat2) = bmm(permute(self), g)."""
+    n = e
+    while _is(n, *_TRANSPARENT_BWD) and n in bwd:
+        n = n.args[0]
+    if not _is(n, aten.bmm.default):
+        return cands
+    a, b = n.args
+    for i in cands:
+        x = inputs[i]
+        if _is(a, aten.permute.default) and _skip_views(a.args[0]) is x:
+            return [i]
+        if _is(b, aten.permute.default) and _skip_views(b.args[0]) is x:
+            return [j for j in cands if j != i][:1] if len(cands) == 2 else cands
+    return cands
+
+
+def _grad_out(bwd: set, region: set, inputs: list, out: fx.Node) -> Optional[fx.Node]:
+    """The gradient flowing into the attention output: the outside tensor the backward reads that
+    has the output's shape and is not a forward value."""
+    allowed = region | set(inputs)
+    found = set()
+    for n in bwd:
+        for a in n.all_input_nodes:
+            if a in bwd or a in allowed:
+                continue
+            if _shape(a) == _shape(out) and (a.op == "placeholder" and _is_bwd(a) or _is_bwd(a)):
+                found.add(a)
+            elif isinstance(_val(a), torch.Tensor) and _val(a).dim() > 0 and not _is(a, aten.full.default):
+                raise _Skip(f"backward of the attention reads an unexpected value {a.name}")
+    return found.pop() if len(found) == 1 else None

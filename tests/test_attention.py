@@ -1,0 +1,398 @@
+"""Fused attention: enn::attention op, the attention pass's pattern families, HF-style models,
+the attention policy, masked-row semantics and fault injection. CPU, tiny shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import enn_backend
+from enn_backend.attention_policy import AttentionProblem, choose
+from enn_backend.custom_ops import attention as A
+
+B, H, T, D = 2, 4, 8, 8
+
+
+def fused() -> int:
+    return enn_backend.report().to_dict()["fusions"].get("attention", 0)
+
+
+def choices() -> list[dict]:
+    return [c for g in enn_backend.report().to_dict()["graphs"] for c in g["kernel_choices"]]
+
+
+def qkv(dtype=torch.float32, hkv=H, grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g, dtype=dtype)
+    k = torch.randn(B, hkv, T, D, generator=g, dtype=dtype)
+    v = torch.randn(B, hkv, T, D, generator=g, dtype=dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def check(fn, args, *, train=True, fusions=1, atol=1e-5, rtol=1e-4, options=None):
+    """Compile ``fn`` with enn; values (and gradients) equal eager; ``fusions`` matches counted."""
+    ref = fn(*args)
+    cf = torch.compile(fn, backend="enn", options=options or {})
+    if train:
+        out = cf(*args)
+        wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        gout = torch.randn_like(ref)
+        g_ref = torch.autograd.grad(ref, wrt, gout)
+        g = torch.autograd.grad(out, wrt, gout)
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, atol=atol, rtol=rtol, equal_nan=True)
+    else:
+        with torch.no_grad():
+            out = cf(*args)
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol, equal_nan=True)
+    assert fused() == fusions, enn_backend.report()
+    return out
+
+
+# ----------------------------------------------------------------------------- the op
+def test_opcheck():
+    q, k, v = qkv(hkv=2)
+    bias = torch.randn(1, H, T, T, requires_grad=True)
+    mask = torch.rand(B, 1, 1, T) > 0.3
+    for backend in ("explicit", "cpu_flash"):
+        for b, m, causal, window in ((None, None, True, 0), (bias, None, False, 0), (None, mask, False, 3)):
+            torch.library.opcheck(torch.ops.enn.attention.default,
+                                  (q, k, v, b, m, None, 0.3, causal, window, 0.0, "eager", backend))
+
+
+def test_op_alibi_and_window_match_reference():
+    q, k, v = qkv(grad=False)
+    slopes = torch.rand(H)
+    out, _ = torch.ops.enn.attention(q, k, v, None, None, slopes, 0.25, True, 3, 0.0, "eager", "cpu_flash")
+    i, j = torch.arange(T).view(T, 1), torch.arange(T).view(1, T)
+    s = q @ k.transpose(-1, -2) * 0.25 + slopes.view(H, 1, 1) * (j - i)
+    s = s.masked_fill(~((j <= i) & (i - j < 3)), float("-inf"))
+    torch.testing.assert_close(out, torch.softmax(s, -1) @ v, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- pattern families
+def causal_tril(q, k, v):
+    t = q.size(-2)
+    mask = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+    att = att.masked_fill(~mask, float("-inf"))
+    return F.softmax(att, dim=-1) @ v
+
+
+def causal_triu_where_min(q, k, v):
+    t = q.size(-2)
+    upper = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+    att = torch.matmul(q * (1.0 / math.sqrt(q.size(-1))), k.transpose(-1, -2))
+    att = torch.where(upper, torch.finfo(att.dtype).min, att)
+    return torch.softmax(att, dim=-1) @ v
+
+
+def causal_arange(q, k, v):
+    t = q.size(-2)
+    keep = torch.arange(t)[:, None] >= torch.arange(t)[None, :]
+    att = torch.matmul(q, k.transpose(-1, -2)) * 0.3
+    att = att.masked_fill(keep.logical_not(), float("-inf"))
+    return att.softmax(-1) @ v
+
+
+def sliding_window(q, k, v):
+    t = q.size(-2)
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    band = (j <= i) & (i - j < 3)
+    att = (q @ k.transpose(-2, -1)) * 0.5
+    att = att.masked_fill(~band, float("-inf"))
+    return torch.softmax(att, -1) @ v
+
+
+def scale_q_div(q, k, v):
+    att = (q / math.sqrt(q.size(-1))) @ k.transpose(-2, -1)
+    t = q.size(-2)
+    att = att.masked_fill(torch.ones(t, t).triu(1).bool(), float("-inf"))
+    return torch.softmax(att, dim=-1) @ v
+
+
+FAMILIES = {
+    "causal_tril": causal_tril,
+    "causal_triu_where_finfo_min": causal_triu_where_min,
+    "causal_arange": causal_arange,
+    "sliding_window": sliding_window,
+    "scale_before_div": scale_q_div,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_family_training(name):
+    check(FAMILIES[name], qkv())
+    assert all(c["causal"] for c in choices())
+    if name == "sliding_window":
+        assert choices()[0]["window"] == 3
+
+
+@pytest.mark.parametrize("name", ["causal_tril", "sliding_window"])
+def test_family_inference(name):
+    check(FAMILIES[name], qkv(grad=False), train=False)
+
+
+def padding_bias(q, k, v, pad):
+    att = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + (1.0 - pad[:, None, None, :]) * -10000.0
+    return att.softmax(-1) @ v
+
+
+def learned_bias(q, k, v, bias):
+    att = torch.matmul(q, k.transpose(-1, -2)) * 0.35 + bias
+    return F.softmax(att.float(), dim=-1).to(q.dtype) @ v
+
+
+def bool_padding_neg_inf(q, k, v, keep):
+    att = torch.matmul(q, k.transpose(-1, -2)) * 0.35
+    att = att.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return torch.softmax(att, -1) @ v
+
+
+def test_additive_padding_mask():
+    pad = torch.ones(B, T)
+    pad[1, 5:] = 0
+    check(padding_bias, (*qkv(), pad))
+
+
+def test_learned_bias_with_gradient():
+    bias = (0.1 * torch.randn(1, H, T, T)).requires_grad_(True)
+    check(learned_bias, (*qkv(), bias))
+    assert choices()[0]["choice"] == "explicit"  # CPU flash gives no bias gradient
+
+
+def test_bool_padding_mask_and_fully_masked_rows():
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 4:] = False
+    keep[0, :] = False  # batch 0: every key masked -> eager gives NaN rows
+    out = check(bool_padding_neg_inf, (*qkv(), keep))
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+def test_fully_masked_rows_zero_option():
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[0, :] = False
+    q, k, v = qkv(grad=False)
+    cf = torch.compile(bool_padding_neg_inf, backend="enn", options={"masked_rows": "zero"})
+    out = cf(q, k, v, keep)
+    assert fused() == 1
+    assert (out[0] == 0).all()
+    torch.testing.assert_close(out[1], bool_padding_neg_inf(q, k, v, keep)[1])
+
+
+def test_bf16_softmax_in_fp32_inference():
+    bias = torch.zeros(1, H, T, T, dtype=torch.bfloat16)
+    check(learned_bias, (*qkv(torch.bfloat16, grad=False), bias), train=False, atol=2e-2, rtol=2e-2)
+
+
+def gqa_repeat_interleave(q, k, v):
+    n_rep = q.size(1) // k.size(1)
+    k = k.repeat_interleave(n_rep, dim=1)
+    v = v.repeat_interleave(n_rep, dim=1)
+    t = q.size(-2)
+    att = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1))
+    att = att.masked_fill(torch.triu(torch.ones(t, t, dtype=torch.bool), 1), float("-inf"))
+    return att.softmax(-1) @ v
+
+
+def test_gqa_repeat_interleave():
+    check(gqa_repeat_interleave, qkv(hkv=2))
+    assert choices()[0]["gqa"]
+
+
+# ----------------------------------------------------------------------------- near misses
+def softmax_over_queries(q, k, v):
+    att = q @ k.transpose(-1, -2) * 0.3
+    return att.softmax(-2) @ v
+
+
+def dropout_between(q, k, v):
+    att = (q @ k.transpose(-1, -2) * 0.3).softmax(-1)
+    return F.dropout(att, 0.5, training=True) @ v
+
+
+def intermediate_reused(q, k, v):
+    p = (q @ k.transpose(-1, -2) * 0.3).softmax(-1)
+    return p @ v, p.sum()
+
+
+def exp_not_softmax(q, k, v):
+    att = torch.exp(q @ k.transpose(-1, -2) * 0.3)
+    return att @ v
+
+
+@pytest.mark.parametrize("fn", [softmax_over_queries, intermediate_reused, exp_not_softmax])
+def test_near_miss_not_fused(fn):
+    args = qkv(grad=False)
+    ref = fn(*args)
+    with torch.no_grad():
+        out = torch.compile(fn, backend="enn")(*args)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    assert fused() == 0
+
+
+def test_dropout_not_fused():
+    torch.compile(dropout_between, backend="enn")(*qkv())
+    assert fused() == 0
+
+
+# ----------------------------------------------------------------------------- HF-style models
+class GPT2Attention(nn.Module):
+    """Hugging Face GPT-2's eager attention, written the way modeling_gpt2.py writes it."""
+
+    def __init__(self, d=32, heads=4, max_pos=16):
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.c_attn = nn.Linear(d, 3 * d)
+        self.c_proj = nn.Linear(d, d)
+        self.register_buffer("bias", torch.tril(torch.ones(max_pos, max_pos, dtype=torch.bool)).view(1, 1, max_pos, max_pos),
+                             persistent=False)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.c_attn(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, self.hd).permute(0, 2, 1, 3) for z in (q, k, v))
+        w = torch.matmul(q, k.transpose(-1, -2))
+        w = w / torch.full([], v.size(-1) ** 0.5, dtype=w.dtype, device=w.device)
+        causal_mask = self.bias[:, :, t - t:t, :t]
+        mask_value = torch.full([], torch.finfo(w.dtype).min, dtype=w.dtype, device=w.device)
+        w = torch.where(causal_mask, w.to(w.dtype), mask_value)
+        w = F.softmax(w, dim=-1).type(v.dtype)
+        y = torch.matmul(w, v).permute(0, 2, 1, 3).contiguous().view(b, t, c)
+        return self.c_proj(y)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads, self.hd = heads, d // heads
+        self.query, self.key, self.value = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def split(self, x):
+        return x.view(x.size()[:-1] + (self.heads, self.hd)).permute(0, 2, 1, 3)
+
+    def forward(self, x, attention_mask):
+        q, k, v = self.split(self.query(x)), self.split(self.key(x)), self.split(self.value(x))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.hd)
+        ext = (1.0 - attention_mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+        probs = F.softmax(scores + ext, dim=-1)
+        ctx = torch.matmul(probs, v).permute(0, 2, 1, 3).contiguous()
+        return ctx.view(ctx.size()[:-2] + (self.heads * self.hd,))
+
+
+def repeat_kv(h, n_rep):
+    b, kv, s, d = h.shape
+    if n_rep == 1:
+        return h
+    return h[:, :, None, :, :].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d=32, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv, self.hd = heads, kv_heads, d // heads
+        self.q_proj = nn.Linear(d, heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.hd).transpose(1, 2)
+        causal = torch.full((t, t), torch.finfo(x.dtype).min, device=x.device).triu(1)[None, None]
+        k, v = repeat_kv(k, self.heads // self.kv), repeat_kv(v, self.heads // self.kv)
+        w = torch.matmul(q, k.transpose(2, 3)) * self.hd ** -0.5 + causal
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        y = torch.matmul(w, v).transpose(1, 2).contiguous().reshape(b, t, -1)
+        return self.o_proj(y)
+
+
+class Stack(nn.Module):
+    def __init__(self, make, layers=2):
+        super().__init__()
+        self.layers = nn.ModuleList(make() for _ in range(layers))
+        self.norms = nn.ModuleList(nn.LayerNorm(32) for _ in range(layers))
+
+    def forward(self, x, *extra):
+        for n, layer in zip(self.norms, self.layers):
+            x = x + layer(n(x), *extra)
+        return x
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_hf_style_models(kind):
+    torch.manual_seed(0)
+    make = {"gpt2": GPT2Attention, "bert": BertSelfAttention, "llama": LlamaAttention}[kind]
+    model = Stack(make)
+    x = torch.randn(2, 8, 32)
+    extra = ()
+    if kind == "bert":
+        m = torch.ones(2, 8)
+        m[1, 6:] = 0
+        extra = (m,)
+    ref_model = Stack(make)
+    ref_model.load_state_dict(model.state_dict())
+    loss_ref = ref_model(x, *extra).pow(2).mean()
+    loss_ref.backward()
+    loss = torch.compile(model, backend="enn")(x, *extra).pow(2).mean()
+    loss.backward()
+    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert fused() == 2, enn_backend.report()
+
+
+# ----------------------------------------------------------------------------- policy
+def problem(**kw):
+    base = dict(device="cuda", capability=(9, 0), dtype="bfloat16", head_dim=64, head_dim_v=64, tq=1024, tk=1024,
+                heads_q=16, heads_kv=16, causal=True, window=0, has_mask=False, has_bias=False, bias_grad=False,
+                alibi=False, training=True)
+    base.update(kw)
+    return AttentionProblem(**base)
+
+
+def test_policy_choices():
+    assert choose(problem()).backend == "cudnn"
+    assert choose(problem(capability=(8, 0))).backend == "flash"
+    assert choose(problem(dtype="float32")).backend == "efficient"
+    assert choose(problem(has_mask=True, causal=False)).backend == "efficient"
+    assert choose(problem(alibi=True)).backend == "flex"
+    assert choose(problem(order := None) if False else problem(), order="flash,cudnn").backend == "flash"
+    assert choose(problem(device="cpu", capability=(0, 0))).backend == "cpu_flash"
+    assert choose(problem(device="cpu", capability=(0, 0), bias_grad=True, has_bias=True)).backend == "explicit"
+    forced = choose(problem(device="cpu", capability=(0, 0)), backend="cudnn")
+    assert forced.backend == "cpu_flash" and "cudnn impossible" in forced.forced_failed
+
+
+def test_forced_impossible_backend_is_recorded():
+    check(causal_tril, qkv(grad=False), train=False, options={"attention_backend": "flash", "attention_order": ""})
+    check_choice = choices()[0]["choice"]
+    assert check_choice == "cpu_flash"
+    enn_backend.reset()
+    torch._dynamo.reset()
+    check(causal_tril, qkv(grad=False), train=False, options={"attention_backend": "cudnn"})
+    kinds = [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]]
+    assert "kernel_choice" in kinds
+    assert choices()[0]["choice"] == "cpu_flash"
+
+
+def test_explicit_backend_forced():
+    check(causal_tril, qkv(), options={"attention_backend": "explicit"})
+    assert choices()[0]["choice"] == "explicit"
+
+
+# ----------------------------------------------------------------------------- fault injection
+def test_fault_injection_after_attention():
+    q, k, v = qkv(grad=False)
+    ref = causal_tril(q, k, v)
+    cf = torch.compile(causal_tril, backend="enn", options={"fault_inject": "enn.attention:nan:fwd"})
+    out = cf(q, k, v)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    fbs = enn_backend.report().to_dict()["fallbacks"]
+    assert any(f["kind"] == "nonfinite" and "attention" in f["node"] for f in fbs), fbs
