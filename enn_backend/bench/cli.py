@@ -1,0 +1,151 @@
+"""``python -m enn_backend bench``: run the benchmark and accuracy suite.
+
+    python -m enn_backend bench --quick                  # CPU preset, < 5 minutes on 2 cores
+    python -m enn_backend bench --preset gpu             # one H100/H200, < 8 minutes
+    python -m enn_backend bench --preset gpu --autotune  # + inductor max-autotune (longer)
+    python -m enn_backend bench --models gpt2_naive,bert --modes train --dtypes fp32,bf16
+    python -m enn_backend bench --render bench/results/cpu/quick.json   # re-render Markdown/PNGs
+
+Results go to ``bench/results/<device>/<preset>.{json,md,png}`` unless ``--out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from typing import Any
+
+from . import zoo
+
+# The quick CPU preset: the models whose patterns enn targets (hand-written attention
+# with a causal / padding / additive-bias mask, GEMM + bias + GELU), at the tiny size.
+# Left out to stay under 5 minutes on 2 cores: gpt2_sdpa, t5, sliding, vit, convnet.
+QUICK_MODELS = ["mlp", "gpt2_naive", "bert", "llama", "alibi"]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": dict(device="cpu", size="cpu-small", models=QUICK_MODELS, modes=["train", "infer"], dtypes=["fp32"],
+                  backends=["eager", "inductor", "enn"], rounds=9, sample_s=0.03, budget_s=250.0, threads=1),
+    "cpu": dict(device="cpu", size="cpu-small", models=zoo.names(), modes=["train", "infer"], dtypes=["fp32", "bf16"],
+                backends=["eager", "inductor", "enn"], rounds=7, sample_s=0.1, budget_s=None),
+    # gpu-real sizes use 2 layers (6 for gpt2_sdpa, the ANCHORS stack) so that 20 workloads x
+    # 2 cold + 2 warm compiles fit in 8 minutes; the budget stops new workloads at 400 s.
+    "gpu": dict(device="cuda", size="gpu-real", models=zoo.names(), modes=["train", "infer"], dtypes=["bf16"],
+                backends=["eager", "inductor", "enn"], rounds=5, rep_ms=40.0, budget_s=400.0),
+}
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m enn_backend bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="the quick CPU preset (same as --preset quick)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a named preset (default: quick)")
+    p.add_argument("--models", type=_csv, help=f"comma-separated zoo models (known: {', '.join(zoo.names())})")
+    p.add_argument("--modes", type=_csv, help="train,infer")
+    p.add_argument("--dtypes", type=_csv, help="fp32,bf16 (bf16 = autocast over fp32 parameters)")
+    p.add_argument("--backends", type=_csv, help="eager,inductor,enn[,inductor-max-autotune,enn-max-autotune]")
+    p.add_argument("--autotune", action="store_true", help="also run inductor (and enn) with mode=max-autotune-no-cudagraphs")
+    p.add_argument("--size", choices=zoo.SIZES, help="model size (default from the preset)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default from the preset)")
+    p.add_argument("--rounds", type=int, help="interleaved timing rounds")
+    p.add_argument("--threads", type=int, help="CPU: torch.set_num_threads for the run (quick preset: 1)")
+    p.add_argument("--budget", type=float, help="seconds after which no new workload starts (0: no budget)")
+    p.add_argument("--no-warm-compile", action="store_true", help="skip the warm (disk cache) compile measurement")
+    p.add_argument("--no-profile", action="store_true", help="do not profile workloads where enn is slower")
+    p.add_argument("--out", help="output folder (default: $ENN_BENCH_OUT, else bench/results/<device>/)")
+    p.add_argument("--strict", action="store_true", help="exit with status 1 when a goal is missed")
+    p.add_argument("--name", help="file stem of the outputs (default: the preset name)")
+    p.add_argument("--render", metavar="JSON", help="only re-render the Markdown and PNGs of a saved result")
+    p.add_argument("--list", action="store_true", help="list the zoo models and presets, then exit")
+    return p
+
+
+def build_config(args: argparse.Namespace, argv: list[str]) -> Any:
+    from .runner import BACKENDS, DTYPES, MODES, BenchConfig
+
+    preset = "quick" if args.quick or not args.preset else args.preset
+    base = dict(PRESETS[preset])
+    for key in ("models", "modes", "dtypes", "backends", "size", "device", "rounds", "threads"):
+        if getattr(args, key) is not None:
+            base[key] = getattr(args, key)
+    if args.budget is not None:
+        base["budget_s"] = args.budget or None
+    if args.autotune:
+        base["backends"] = list(base["backends"]) + [b for b in ("inductor-max-autotune", "enn-max-autotune")
+                                                      if b not in base["backends"]]
+    for key, known in (("models", zoo.names()), ("modes", MODES), ("dtypes", list(DTYPES)), ("backends", list(BACKENDS))):
+        bad = [x for x in base[key] if x not in known]
+        if bad:
+            raise SystemExit(f"enn bench: unknown {key} {', '.join(bad)}; known: {', '.join(known)}")
+    return BenchConfig(**base, warm_compile=not args.no_warm_compile, profile_slow=not args.no_profile,
+                       preset=preset, command="python -m enn_backend bench " + shlex.join(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    from . import plots
+
+    if args.list:
+        for name, spec in zoo.MODELS.items():
+            print(f"{name:<11} {spec.description}")
+        print()
+        for name, p in PRESETS.items():
+            print(f"preset {name:<6} {p['device']} {p['size']} models={','.join(p['models'])} dtypes={','.join(p['dtypes'])}")
+        return 0
+    if args.render:
+        with open(args.render) as f:
+            result = json.load(f)
+        out = args.out or os.path.dirname(os.path.abspath(args.render))
+        stem = args.name or os.path.splitext(os.path.basename(args.render))[0]
+        result["summary"] = plots.summarize(result)
+        written = plots.write_outputs(result, out, stem)
+        print("\n".join(f"wrote {p}" for p in written.values()))
+        return 0
+
+    cfg = build_config(args, argv)
+    import torch
+
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        print("enn bench: this preset needs a CUDA device and none is available", file=sys.stderr)
+        return 2
+    from .runner import run_suite
+
+    print(f"enn bench: preset {cfg.preset}, {len(cfg.models)} models x {len(cfg.modes)} modes x {len(cfg.dtypes)} dtypes, "
+          f"backends {', '.join(cfg.backends)}, size {cfg.size}, device {cfg.device}", flush=True)
+    result = run_suite(cfg)
+    out = args.out or os.environ.get("ENN_BENCH_OUT") or os.path.join("bench", "results", plots.device_folder(result))
+    written = plots.write_outputs(result, out, args.name or cfg.preset)
+    print(summary_text(result))
+    print("\n".join(f"wrote {p}" for p in written.values()))
+    failed = any(not g["met"] for g in result["summary"]["goals"])
+    return 1 if failed and args.strict else 0
+
+
+def summary_text(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    lines = ["", f"{'workload':<28} {'eager ms':>9} {'inductor ms':>11} {'enn ms':>9} {'enn/ind':>8} {'acc enn':>8}"]
+    for w in result["workloads"]:
+        b = w.get("backends", {})
+
+        def ms(name: str) -> str:
+            v = (b.get(name) or {}).get("time_ms")
+            return f"{v:.3f}" if isinstance(v, float) and v == v else "-"
+
+        sp = w.get("speedup_enn_vs_inductor")
+        acc = ((b.get("enn") or {}).get("accuracy") or {}).get("passed")
+        lines.append(f"{w['model'] + ' ' + w['mode'] + ' ' + w['dtype']:<28} {ms('eager'):>9} {ms('inductor'):>11} "
+                     f"{ms('enn'):>9} {(f'{sp:.3f}' if sp else '-'):>8} {('pass' if acc else 'FAIL' if acc is False else '-'):>8}")
+    geo = s["geomean_enn_vs_inductor"]
+    lines.append("geomean enn/inductor: " + ", ".join(f"{k} {v:.3f}" for k, v in geo.items() if v))
+    for g in s["goals"]:
+        lines.append(f"goal: {g['goal']}: target {g['target']}, measured {g['measured']}, "
+                     f"{'met' if g['met'] else 'NOT met: ' + g['miss']}")
+    lines.append(f"wall time {result['wall_s']:.0f} s")
+    return "\n".join(lines)
