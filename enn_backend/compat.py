@@ -209,3 +209,16 @@ def registered_op_names(namespace: str) -> list[str]:
     """Qualified names (``enn::pinned``) of every op registered in ``namespace``."""
     prefix = namespace + "::"
     return sorted({n for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})
+
+
+# --- Real tensors while a FakeTensorMode is active (passes/epilogue.py) -----------------
+# Joint-graph passes run inside AOT Autograd's FakeTensorMode. The epilogue pass evaluates
+# small real float64 probes; torch._subclasses.fake_tensor.unset_fake_temporarily exists,
+# unchanged, from 2.1 through 2.13 (checked in the 2.11 and 2.13 sources).
+
+
+def real_tensor_mode() -> Any:
+    """Context manager: ops on real tensors run for real even inside a FakeTensorMode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

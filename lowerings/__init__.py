@@ -36,6 +36,7 @@ def _load_all() -> None:
 
     from . import faults  # noqa: F401
     from . import precision  # noqa: F401
+    from . import gemm  # noqa: F401
 
     try:
         from . import attention  # noqa: F401

@@ -1,0 +1,341 @@
+"""Epilogue pass: GEMM + bias + activation -> ``enn::gemm_bias_act``.
+
+Runs on the joint graph (training: forward + backward; inference: the forward), where
+Inductor's decompositions have already run. There GELU is no longer one node: it is an
+``erf`` (or ``tanh``) chain of muls and adds, wrapped in ``convert_element_type`` to fp32
+and back for bf16/fp16; SiLU is ``x / (1 + exp(-x))``; relu stays ``aten.relu``. Those
+chains change between torch versions, so the pass does not match their structure.
+It matches by value instead:
+
+1. source: ``addmm(bias, x, wT)``, or ``mm(x, wT)`` with an optional ``add`` of a bias
+   vector, with an optional ``view`` that reshapes the leading dims (a 3-D linear);
+2. closure: the pointwise nodes downstream of the source whose only tensor inputs are
+   the source or other closure nodes (functions of the pre-activation alone);
+3. fingerprint: every closure node is evaluated on a float64 probe vector (casts count
+   as identity) and compared with exact relu / gelu / gelu_tanh / silu; a node equal to
+   one of them (to 1e-12) in the GEMM's dtype is the activation output. exact GELU and
+   tanh GELU differ by ~5e-4 there, so they are never confused.
+
+A match is rewritten only if every node between the GEMM and the activation output is
+used by nothing else. In a training graph with gelu/silu the backward reads the
+pre-activation (``gelu'(pre)``); the fused kernel does not return it, and keeping the
+GEMM as well would compute it twice, so the match is declined. relu's backward reads
+the relu output (``out <= 0``), so relu is fused in training too.
+
+Then :func:`enn_backend.custom_ops.gemm.select_kernel` (a pure checker; numbers in
+custom_ops/gemm.py) decides whether a fused kernel beats Inductor on this device and
+dtype; where it does not, the graph is left to Inductor.
+
+Every decision is visible: rewrites as ``ctx.fusion("epilogue")`` and a kernel choice;
+declines in the debug log and as an ``inductor`` kernel choice with the reason; declines
+the user could act on (exact GELU on CUDA, fp16 on a CPU without fp16 GEMM, a bias in
+another dtype) also as one ``PASS_SKIPPED`` fallback per graph and reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from enn_backend.custom_ops import gemm as G
+
+from .. import compat
+from ..report import FallbackKind, report
+from . import EnnPass, PassContext
+
+log = logging.getLogger(__name__)
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+_MAX_CLOSURE = 64  # pointwise nodes examined per GEMM
+_PROBE = torch.cat([torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
+                    torch.tensor([0.0, 1e-3, -1e-3, 0.3, -0.3, 12.5, -12.5], dtype=torch.float64)])
+_REFERENCES = {act: G.ACT_FN[act](_PROBE) for act in G.ACTIVATIONS}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_CASTS = {prims.convert_element_type.default, aten._to_copy.default}
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _is_call(n: Any, targets: Any) -> bool:
+    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in targets
+
+
+# ----------------------------------------------------------------- step 1: the GEMM source
+@dataclass
+class Source:
+    gemm: fx.Node  # addmm or mm
+    x: fx.Node
+    w_t: fx.Node  # the [K, N] operand
+    bias: fx.Node | None
+    nodes: list[fx.Node]  # gemm, then the optional view / bias add, in order
+    view_size: Any = None  # the view's size argument, when the source has one
+
+    @property
+    def out(self) -> fx.Node:
+        return self.nodes[-1]
+
+
+def find_source(n: fx.Node) -> Source | None:
+    """``n`` as the GEMM of a linear layer (see the module doc), or None."""
+    if _is_call(n, {aten.addmm.default}):
+        if len(n.args) > 3 or n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+            return None
+        bias, x, w_t = n.args[:3]
+        if not _is_vector_bias(bias, n):
+            return None
+        src = Source(n, x, w_t, bias, [n])
+    elif _is_call(n, {aten.mm.default}):
+        src = Source(n, n.args[0], n.args[1], None, [n])
+    else:
+        return None
+    if not (_val(src.x) is not None and _val(src.x).dim() == 2 and _val(src.w_t) is not None and _val(src.w_t).dim() == 2):
+        return None
+    cur = src.out
+    if len(cur.users) == 1:
+        (u,) = cur.users
+        if _is_call(u, _VIEWS) and _same_last_dim(u, cur):
+            src.nodes.append(u)
+            src.view_size = u.args[1]
+            cur = u
+    if src.bias is None and len(cur.users) == 1:
+        (u,) = cur.users
+        if _is_call(u, {aten.add.Tensor}) and len(u.args) == 2 and not u.kwargs:
+            other = u.args[1] if u.args[0] is cur else u.args[0]
+            if other is not cur and _is_vector_bias(other, src.gemm):
+                src.bias = other
+                src.nodes.append(u)
+    return src
+
+
+def _is_vector_bias(b: Any, gemm: fx.Node) -> bool:
+    bv, gv = _val(b), _val(gemm)
+    return (isinstance(bv, torch.Tensor) and isinstance(gv, torch.Tensor) and bv.dim() == 1
+            and bv.shape[0] == gv.shape[-1])
+
+
+def _same_last_dim(view: fx.Node, base: fx.Node) -> bool:
+    v, b = _val(view), _val(base)
+    return isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[-1] == b.shape[-1]
+
+
+# ----------------------------------------------------------------- step 2-3: the activation
+def _is_pointwise(n: fx.Node) -> bool:
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in n.target.tags:
+        return False
+    return n.target in _CASTS or torch.Tag.pointwise in n.target.tags
+
+
+def _evaluate(n: fx.Node, values: dict[fx.Node, torch.Tensor]) -> torch.Tensor | None:
+    """``n`` on the probe, given its inputs' probe values; None if it cannot be evaluated."""
+    tensor_inputs = [a for a in n.all_input_nodes]
+    if not tensor_inputs or any(a not in values for a in tensor_inputs):
+        return None
+    if n.target in _CASTS:
+        dtype = n.args[1] if n.target is prims.convert_element_type.default else n.kwargs.get("dtype")
+        src = values[n.args[0]]
+        if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            return src  # float casts are identity on the float64 probe
+        return src.to(dtype)
+
+    def sub(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return values[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(sub(v) for v in a)
+        return a
+
+    try:
+        out = n.target(*sub(n.args), **{k: sub(v) for k, v in n.kwargs.items()})
+    except Exception:  # noqa: BLE001 - an op that cannot run on the probe is simply not matched
+        return None
+    return out if isinstance(out, torch.Tensor) and out.shape == _PROBE.shape else None
+
+
+def _closure(src: fx.Node) -> dict[fx.Node, torch.Tensor]:
+    """Pointwise nodes that are functions of ``src`` alone, with their probe values."""
+    values: dict[fx.Node, torch.Tensor] = {src: _PROBE}
+    frontier = list(src.users)
+    seen: set[fx.Node] = set()
+    changed = True
+    while changed and len(values) <= _MAX_CLOSURE:
+        changed = False
+        for u in list(frontier):
+            if u in values or not _is_pointwise(u):
+                continue
+            v = _evaluate(u, values)
+            if v is None:
+                continue
+            values[u] = v
+            changed = True
+            for w in u.users:
+                if w not in seen:
+                    seen.add(w)
+                    frontier.append(w)
+    return values
+
+
+def fingerprint(v: torch.Tensor) -> str | None:
+    """The activation whose float64 values ``v`` equals, or None."""
+    if not v.is_floating_point():
+        return None
+    for act, ref in _REFERENCES.items():
+        if torch.allclose(v, ref, rtol=1e-12, atol=1e-12):
+            return act
+    return None
+
+
+@dataclass
+class Match:
+    src: Source
+    out: fx.Node  # the activation output (in the GEMM dtype)
+    act: str
+    chain: list[fx.Node] = field(default_factory=list)  # GEMM..out, graph order
+    outside: list[fx.Node] = field(default_factory=list)  # users of the chain besides out's
+
+
+def find_match(src: Source) -> Match | None:
+    with compat.real_tensor_mode():
+        values = _closure(src.out)
+        acts = {n: fingerprint(v) for n, v in values.items() if n is not src.out}
+    order = {n: i for i, n in enumerate(src.out.graph.nodes)}
+    gemm_val = _val(src.out)
+    cands = []
+    for n, act in acts.items():
+        nv = _val(n)
+        if act and isinstance(nv, torch.Tensor) and nv.dtype == gemm_val.dtype and nv.shape == gemm_val.shape:
+            cands.append((order[n], n, act))
+    if not cands:
+        return None
+    _, out, act = min(cands, key=lambda c: c[0])
+    # the chain: closure nodes and source nodes that out depends on
+    pool = set(values) | set(src.nodes)
+    chain: set[fx.Node] = set()
+    stack = [out]
+    while stack:
+        n = stack.pop()
+        if n in chain:
+            continue
+        chain.add(n)
+        stack.extend(a for a in n.all_input_nodes if a in pool)
+    chain |= set(src.nodes)
+    outside = sorted({u for n in chain if n is not out for u in n.users if u not in chain}, key=order.get)
+    return Match(src, out, act, sorted(chain, key=order.get), outside)
+
+
+# ----------------------------------------------------------------- the pass
+class EpiloguePass(EnnPass):
+    """addmm / mm (+ bias) + relu / gelu / gelu_tanh / silu -> enn::gemm_bias_act."""
+
+    name = "epilogue"
+    option = "epilogue"
+    stage = "joint"
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
+        matches = 0
+        skipped: dict[str, list[str]] = {}
+        for n in list(graph.nodes):
+            if n.graph is not graph or n.op != "call_function":
+                continue
+            src = find_source(n)
+            if src is None:
+                continue
+            m = find_match(src)
+            if m is None:
+                continue
+            ok, reason, choice = self.decide(m)
+            if not ok:
+                log.debug("enn epilogue: declined %s -> %s at %s: %s", n.name, m.act, m.out.name, reason)
+                ctx.kernel_choice(m.out.name, "inductor", f"epilogue declined: {reason}", act=m.act)
+                if choice is not None and choice.actionable:
+                    skipped.setdefault(reason, []).append(m.out.name)
+                continue
+            new = rewrite(graph, m)
+            matches += 1
+            ctx.fusion("epilogue")
+            ctx.kernel_choice(new.name, choice.kernel, choice.reason, act=m.act,
+                              dtype=str(_val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name)
+            log.debug("enn epilogue: %s + %s (%s) -> %s [%s]", n.name, m.act, m.out.name, new.name, choice.kernel)
+        for reason, nodes in skipped.items():
+            report().add_fallback(
+                FallbackKind.PASS_SKIPPED, node=",".join(nodes), phase="compile", graph=ctx.unit,
+                reason=f"epilogue fusion declined for {len(nodes)} GEMM(s): {reason}",
+                action="left to Inductor (extern GEMM + fused pointwise)", level=logging.INFO)
+        if matches:
+            compat.stable_topological_sort(graph)
+        return matches
+
+    @staticmethod
+    def decide(m: Match) -> tuple[bool, str, G.KernelChoice | None]:
+        """(rewrite?, reason, kernel choice) for a match; pure apart from reading metadata."""
+        if m.outside:
+            names = ", ".join(u.name for u in m.outside[:3])
+            return False, (f"the pre-activation is also read by {len(m.outside)} other node(s) ({names}), "
+                           "e.g. the activation's backward; the fused kernel does not return it"), None
+        gv, bv = _val(m.src.gemm), _val(m.src.bias)
+        problem = G.GemmProblem(device_type=gv.device.type, dtype=gv.dtype, act=m.act,
+                                has_bias=bv is not None, bias_dtype_matches=bv is None or bv.dtype == gv.dtype)
+        choice = G.select_kernel(problem)
+        if choice.kernel == "inductor":
+            return False, choice.reason, choice
+        return True, choice.reason, choice
+
+
+def rewrite(graph: fx.Graph, m: Match) -> fx.Node:
+    """Replace the chain GEMM..out by ``enn::gemm_bias_act`` (+ the view back)."""
+    src, out = m.src, m.out
+    fake_mode = getattr(_val(src.gemm), "fake_mode", None)
+    with graph.inserting_before(out):
+        if _is_call(src.w_t, {aten.permute.default}) and list(src.w_t.args[1]) == [1, 0]:
+            weight = src.w_t.args[0]
+        elif _is_call(src.w_t, {aten.t.default}):
+            weight = src.w_t.args[0]
+        else:
+            weight = graph.call_function(aten.permute.default, (src.w_t, [1, 0]))
+            with _maybe(fake_mode):
+                weight.meta["val"] = _val(src.w_t).permute(1, 0)
+        new = graph.call_function(torch.ops.enn.gemm_bias_act.default, (src.x, weight, src.bias, m.act))
+        with _maybe(fake_mode):
+            new.meta["val"] = torch.ops.enn.gemm_bias_act.default(_val(src.x), _val(weight), _val(src.bias), m.act)
+        result = new
+        if src.view_size is not None:
+            result = graph.call_function(aten.view.default, (new, src.view_size))
+            with _maybe(fake_mode):
+                result.meta["val"] = _val(new).view(_val(out).shape)
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in out.meta:
+            new.meta[key] = out.meta[key]
+    out.replace_all_uses_with(result)
+    for n in reversed(m.chain):
+        if not n.users:
+            graph.erase_node(n)
+    if src.w_t.op == "call_function" and not src.w_t.users:
+        graph.erase_node(src.w_t)
+    return new
+
+
+class _maybe:
+    """``with fake_mode`` when there is one (graphs traced without fake values have none)."""
+
+    def __init__(self, mode: Any) -> None:
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        if self.mode is not None:
+            self.mode.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+
+
+__all__ = ["EpiloguePass", "find_source", "find_match", "fingerprint", "rewrite", "Match", "Source"]

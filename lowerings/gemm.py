@@ -1,0 +1,87 @@
+"""Lowering of ``enn::gemm_bias_act``: the kernel :func:`select_kernel` picks, in Inductor.
+
+- ``cublaslt``  an extern call of ``aten._addmm_activation`` (cuBLASLt bias+relu / bias+tanh-GELU
+                epilogue) straight from Inductor's generated code, no Python op layer between;
+- ``onednn``    an extern call of ``mkldnn._linear_pointwise`` (oneDNN GEMM + post-op). Inductor's
+                own lowering of that op is not used: it requires the weight to be a frozen
+                constant (``config.freezing``), which enn's weights are not;
+- ``inductor``  Inductor IR: Inductor's ``addmm``/``mm`` lowering plus the activation built
+                from Inductor's pointwise lowerings, so the scheduler fuses it exactly as it
+                fuses ``addmm`` + ``gelu`` in a plain graph (and a GEMM template under
+                max-autotune can take it as an epilogue). This is what a model that calls
+                ``torch.ops.enn.gemm_bias_act`` itself gets where no fused kernel wins.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from enn_backend import compat
+from enn_backend.custom_ops import gemm as G
+
+from . import register
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+def _L(op):
+    return compat.inductor_lowering(op)
+
+
+def _activation_ir(pre, act: str, dtype: torch.dtype):
+    """``act(pre)`` from Inductor's pointwise lowerings; low precision computes in fp32 like eager."""
+    if act == "relu":
+        return _L(aten.relu.default)(pre)
+    low = dtype in G.LOW_PRECISION
+    y = _L(prims.convert_element_type.default)(pre, torch.float32) if low else pre
+    mul, add = _L(aten.mul.Tensor), _L(aten.add.Tensor)
+    if act == "gelu":
+        out = mul(mul(y, 0.5), add(_L(aten.erf.default)(mul(y, math.sqrt(0.5))), 1.0))
+    elif act == "gelu_tanh":
+        inner = mul(add(y, mul(mul(mul(y, y), y), 0.044715)), math.sqrt(2.0 / math.pi))
+        out = mul(mul(y, 0.5), add(_L(aten.tanh.default)(inner), 1.0))
+    elif act == "silu":
+        out = mul(y, _L(aten.sigmoid.default)(y))
+    else:  # pragma: no cover - the op's schema check rejects it first
+        raise ValueError(f"enn::gemm_bias_act: unknown activation {act!r}")
+    return _L(prims.convert_element_type.default)(out, dtype) if low else out
+
+
+def _problem(x, weight, bias, act: str) -> G.GemmProblem:
+    dtype = x.get_dtype()
+    return G.GemmProblem(
+        device_type=x.get_device().type,
+        dtype=dtype,
+        act=act,
+        has_bias=bias is not None,
+        bias_dtype_matches=bias is None or bias.get_dtype() == dtype,
+    )
+
+
+@register(torch.ops.enn.gemm_bias_act.default)
+def lower_gemm_bias_act(x, weight, bias, act: str):
+    choice = G.select_kernel(_problem(x, weight, bias, act))
+    size = list(x.get_size())
+    n = weight.get_size()[0]
+    x2 = _L(aten.view.default)(x, [-1, size[-1]]) if len(size) != 2 else x
+    if choice.kernel == "cublaslt":
+        w_t = _L(aten.permute.default)(weight, [1, 0])
+        out = compat.fallback_lowering(aten._addmm_activation.default)(
+            bias, x2, w_t, beta=1, alpha=1, use_gelu=(act == "gelu_tanh"))
+    elif choice.kernel == "onednn":
+        attr, scalars, algorithm = G.ONEDNN_POSTOP[act]
+        out = compat.fallback_lowering(torch.ops.mkldnn._linear_pointwise.default)(
+            x2, weight, bias, attr, scalars, algorithm)
+    else:
+        w_t = _L(aten.permute.default)(weight, [1, 0])
+        if bias is None:
+            pre = _L(aten.mm.default)(x2, w_t)
+        else:
+            pre = _L(aten.addmm.default)(bias, x2, w_t)
+        out = _activation_ir(pre, act, x.get_dtype())
+    if len(size) != 2:
+        out = _L(aten.view.default)(out, [*size[:-1], n])
+    return out
