@@ -133,18 +133,23 @@ _STATES: dict[str | None, KernelState] = {}
 _STATES_LOCK = threading.Lock()
 
 
-def state_for(opts: Any) -> KernelState:
-    """The process-wide kernel state for these options' cache directory.
+def state_path(opts: Any) -> str | None:
+    """The state file for these options (None when persistence is off).
 
     Runs with injected faults keep their state in a separate file, so a test never
     teaches a real run that a kernel is broken.
     """
-    path = None
-    if opts.persist:
-        name = "kernel_state.json"
-        if opts.fault_inject:
-            name = "kernel_state-inject-" + hashlib.sha256(opts.fault_inject.encode()).hexdigest()[:12] + ".json"
-        path = os.path.join(opts.resolved_cache_dir(), name)
+    if not opts.persist:
+        return None
+    name = "kernel_state.json"
+    if opts.fault_inject:
+        name = "kernel_state-inject-" + hashlib.sha256(opts.fault_inject.encode()).hexdigest()[:12] + ".json"
+    return os.path.join(opts.resolved_cache_dir(), name)
+
+
+def state_for(opts: Any) -> KernelState:
+    """The process-wide kernel state for these options' cache directory."""
+    path = state_path(opts)
     with _STATES_LOCK:
         if path not in _STATES:
             _STATES[path] = KernelState(path)

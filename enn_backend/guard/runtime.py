@@ -18,7 +18,7 @@ import torch
 from ..report import FallbackKind, GraphRecord, report
 from . import graph_edit as E
 from .kernel_state import graph_key, node_key
-from .localize import localize
+from .localize import localize, suspects_from_traceback
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +191,8 @@ class GuardedGraph:
             return faulty
 
         trial_cache: dict[frozenset[str], Any] = {}
-        groups = self._suspect_groups(kind, bad)
-        loc = localize(groups, still_faulty, self.opts.localize_budget)
+        groups, prime = self._suspects(kind, bad, exc)
+        loc = localize(groups, still_faulty, self.opts.localize_budget, prime)
         elapsed = time.perf_counter() - t0
         if loc is None:
             nodes, action = "<graph>", "graph runs eagerly from now on (pinning every node did not remove the fault)"
@@ -221,19 +221,28 @@ class GuardedGraph:
         self.compiler.write_repro(kind=kind, what=what, inputs=inputs, snapshot=snapshot, nodes=nodes)
         return eager_out
 
-    def _suspect_groups(self, kind: str, bad: list | None) -> list[list[str]]:
-        """Suspects grouped by op; enn's own ops first, then the cone of the bad outputs."""
+    def _suspects(self, kind: str, bad: list | None, exc: BaseException | None) -> tuple[list[list[str]], frozenset[str]]:
+        """Suspects grouped by op (enn's own ops first) and the prime suspects.
+
+        Prime suspects: for an exception, the nodes behind the kernel that raised (from
+        the traceback); for NaN/Inf, the nodes that only the bad outputs depend on.
+        """
         gm = self.compiler.eager_gm
         cands = [n for n in E.candidate_nodes(gm) if n.name not in self.compiler.pinned_names]
-        if kind == "nonfinite" and bad and bad != [-1]:
+        prime: frozenset[str] = frozenset()
+        if exc is not None:
+            prime = suspects_from_traceback(exc, gm)
+        elif bad and bad != [-1]:
             outs = E.output_nodes(gm)
-            cone = E.ancestors(gm, [outs[i] for i in bad if i < len(outs)])
-            inside = [n for n in cands if n.name in cone]
-            cands = inside or cands
+            bad_cone = E.ancestors(gm, [outs[i] for i in bad if i < len(outs)])
+            good_cone = E.ancestors(gm, [o for i, o in enumerate(outs) if i not in bad])
+            cands = [n for n in cands if n.name in bad_cone] or cands
+            prime = frozenset(n.name for n in cands if n.name not in good_cone)
         groups: dict[str, list[str]] = {}
         for n in cands:
             groups.setdefault(E.node_op_name(n), []).append(n.name)
-        return sorted(groups.values(), key=lambda g: (not g[0].startswith("enn"), 0))
+        ordered = sorted(groups.items(), key=lambda kv: not kv[0].startswith("enn."))
+        return [g for _, g in ordered], prime
 
     def _eager_nonfinite(self, what, inputs, snapshot, rng, eager_out) -> Any:
         rec, phase, R = self.record, self.record.phase, report()

@@ -1,0 +1,199 @@
+"""The runtime guard: injected faults in every phase, the model's own NaN, persistence, strict mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend.guard.runtime import EnnGuardError
+
+from _models import assert_close_step, make, train_step
+
+# The guard is tested on its own: the pattern passes are off so graphs keep plain ATen ops.
+ISOLATED = {"attention": False, "epilogue": False, "persist": False}
+# One op per model and phase that occurs a few times only (keeps bisection short).
+FAULT_OP = {
+    ("mlp", "fwd"): "aten.addmm", ("mlp", "bwd"): "aten.mm", ("mlp", "compile"): "aten.addmm",
+    ("block", "fwd"): "aten.erf", ("block", "bwd"): "aten.erf", ("block", "compile"): "aten.erf",
+}
+GRAPH_PHASE = {"fwd": "forward", "bwd": "backward", "compile": "compile"}
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_kind", ["mlp", "block"])
+@pytest.mark.parametrize("phase", ["fwd", "bwd", "compile"])
+@pytest.mark.parametrize("kind", ["raise", "nan", "inf"])
+def test_fault_matrix(kind, phase, model_kind, dtype):
+    op = FAULT_OP[(model_kind, phase)]
+    model, x = make(model_kind)
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "fault_inject": f"{op}:{kind}:{phase}"})
+    for _ in range(3):  # the first step meets the fault; later steps must not meet it again
+        assert_close_step(train_step(model, x, compiled, dtype), train_step(model, x, autocast=dtype), dtype)
+
+    rep = enn_backend.report().to_dict()
+    # a pin is keyed by kernel, so a later graph with the same kernel starts pinned ("pinned_from_state")
+    fallbacks = [f for f in rep["fallbacks"] if f["kind"] != "pinned_from_state"]
+    if phase == "compile":  # a lowering fault hits every graph holding the op (forward and backward)
+        assert fallbacks and all(f["kind"] == "compile_error" and f["phase"] == "compile" for f in fallbacks)
+        assert all(f["node"] == op.split(".")[1] for f in fallbacks), fallbacks
+        for fb in fallbacks:
+            assert next(g for g in rep["graphs"] if g["id"] == fb["graph"])["path"] == "inductor-without-enn"
+        return
+    assert len(fallbacks) == 1, fallbacks
+    fb = fallbacks[0]
+    expected_kind = {"raise": "exception"}.get(kind, "nonfinite") if phase != "compile" else "compile_error"
+    assert fb["kind"] == expected_kind
+    assert fb["phase"] == GRAPH_PHASE[phase]
+    assert fb["node"] and fb["node"] != "<graph>" and fb["reason"] and fb["action"]
+    graphs = {g["phase"]: g for g in rep["graphs"]}
+    g = graphs[GRAPH_PHASE[phase]]
+    assert g["counters"]["faults"] == 1 and g["counters"]["calls"] == 3  # faulty fast path ran once
+    assert set(fb["node"].split(",")) == set(g["pinned"])
+    assert all(name.startswith(op.split(".")[1]) for name in g["pinned"]), g["pinned"]
+    assert 0 < g["compiled_nodes"] == g["compute_nodes"] - len(g["pinned"])
+
+
+def test_models_own_nan_is_returned_unchanged_and_blames_nothing():
+    class LogModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.log(self.lin(x)) * 2.0
+
+    torch.manual_seed(0)
+    model, x = LogModel(), torch.randn(4, 8)
+    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    with torch.no_grad():
+        got, ref = compiled(x), model(x)
+    assert torch.isnan(ref).any() and not torch.isnan(ref).all()
+    torch.testing.assert_close(got, ref, equal_nan=True)
+    assert torch.equal(torch.isnan(got), torch.isnan(ref))
+    rep = enn_backend.report().to_dict()
+    assert [f["kind"] for f in rep["fallbacks"]] == ["model_nonfinite"]
+    assert rep["graphs"][0]["pinned"] == []
+
+
+def test_precision_fault_retries_in_fp32():
+    class Overflow(torch.nn.Module):
+        def forward(self, x):
+            h = x.to(torch.float16)
+            y = h @ h  # 4 * 300 * 300 = 360000 > fp16 max (65504): the matmul's fp16 output is inf
+            return (y / 1000.0).to(torch.float32)
+
+    x = torch.full((4, 4), 300.0)
+    assert torch.isinf(Overflow()(x)).all()  # eager overflows too
+    compiled = torch.compile(Overflow(), backend="enn", options=ISOLATED)
+    with torch.no_grad():
+        got = compiled(x)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, torch.full((4, 4), 360.0), rtol=1e-3, atol=0)
+        again = compiled(x)  # sticky: the fp32 graph is the fast path now
+    assert torch.isfinite(again).all()
+    rep = enn_backend.report().to_dict()
+    assert [f["kind"] for f in rep["fallbacks"]] == ["precision"]
+    assert rep["graphs"][0]["counters"]["faults"] == 1
+
+
+def test_strict_mode_raises_naming_graph_node_phase():
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard": "strict", "fault_inject": "aten.addmm:nan:fwd"})
+    with pytest.raises(EnnGuardError, match=r"g0/forward.*phase forward.*node\(s\) addmm"):
+        compiled(x)
+
+
+def test_guard_off_lets_the_fault_through():
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard": "off", "fault_inject": "aten.addmm:nan:fwd"})
+    with torch.no_grad():
+        assert torch.isnan(compiled(x)).all()
+    assert enn_backend.report().to_dict()["fallbacks"] == []
+
+
+def test_exceptions_mode_ignores_nan_but_catches_raise():
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard": "exceptions", "fault_inject": "aten.addmm:raise:fwd"})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]] == ["exception"]
+
+
+def test_input_mutation_is_applied_once_on_rerun():
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.register_buffer("seen", torch.zeros(8))
+
+        def forward(self, x):
+            self.seen.add_(x.sum(0))
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    model, x = Counting(), torch.randn(4, 8)
+    ref_model = Counting()
+    ref_model.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "fault_inject": "aten.addmm:nan:fwd"})
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), ref_model(x))
+    torch.testing.assert_close(model.seen, ref_model.seen)  # two adds, not three
+    assert enn_backend.report().to_dict()["fallbacks"][0]["kind"] == "nonfinite"
+
+
+# ----------------------------------------------------------------------------- persistence
+_PERSIST_SCRIPT = textwrap.dedent(
+    """
+    import json, torch, enn_backend
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    f = torch.compile(m, backend="enn", options={"attention": False, "epilogue": False})
+    with torch.no_grad():
+        y = f(x)
+    assert torch.isfinite(y).all()
+    print(json.dumps(enn_backend.report().to_dict()["fallbacks"]))
+    """
+)
+
+
+def _run_persist(cache_dir, extra_env=None):
+    env = {**os.environ, "ENN_CACHE_DIR": str(cache_dir), "ENN_FAULT_INJECT": "aten.addmm:nan:fwd", **(extra_env or {})}
+    out = subprocess.run([sys.executable, "-c", _PERSIST_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def test_second_process_starts_with_pinned_state(tmp_path):
+    first, _ = _run_persist(tmp_path)
+    assert [f["kind"] for f in first] == ["nonfinite"]
+    state_files = list(tmp_path.glob("kernel_state-inject-*.json"))
+    assert len(state_files) == 1 and not (tmp_path / "kernel_state.json").exists()
+    entries = json.loads(state_files[0].read_text())["entries"]
+    assert {e["action"] for e in entries} == {"pinned"} and all(e["fail_count"] == 1 for e in entries)
+    second, _ = _run_persist(tmp_path)
+    assert [f["kind"] for f in second] == ["pinned_from_state"], second  # no fault met again
+
+
+@pytest.mark.parametrize("content", ["{\"format\": \"enn-kernel-state\", \"vers", "garbage\x00\x01",
+                                     "{\"format\": \"enn-kernel-state\", \"version\": 1, \"entries\": [{\"key\": 1}]}"],
+                         ids=["truncated", "garbage", "bad-entry"])
+def test_corrupt_state_file_is_survived_with_one_warning(tmp_path, content):
+    from enn_backend.guard.kernel_state import state_path
+    from enn_backend.options import Options
+
+    path = state_path(Options(cache_dir=str(tmp_path), fault_inject="aten.addmm:nan:fwd"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(content)
+    fallbacks, stderr = _run_persist(tmp_path)
+    assert [f["kind"] for f in fallbacks] == ["nonfinite"]  # started with no recorded faults
+    assert stderr.count("ignoring kernel state file") == 1, stderr
