@@ -149,34 +149,6 @@ def is_dynamo_control_flow(exc: BaseException) -> bool:
     return not isinstance(exc, (dexc.BackendCompilerFailed, dexc.InternalTorchDynamoError, dexc.TorchRuntimeError))
 
 
-# --- Benchmark suite (enn_backend.bench) ------------------------------------------------
-# torch._inductor.utils.clear_inductor_caches exists from 2.1 to 2.13 (from 2.8 an alias of
-# clear_caches); checked in the 2.11 and 2.13 sources. Covered by tests/test_bench.py.
-
-
-def clear_inductor_memory_caches() -> None:
-    """Forget Inductor's in-memory caches of compiled code (the disk caches are untouched).
-
-    The benchmark gives each backend its own cache folder so that one backend's
-    compiled kernels never make another's "cold" compile look fast.
-    """
-    from torch._inductor import utils
-
-    (getattr(utils, "clear_caches", None) or utils.clear_inductor_caches)()
-
-
-# --- Inductor IR builders for enn's lowerings (lowerings/precision.py) -------------------
-# torch._inductor.lowering.lowerings is a private dict of op -> IR builder, unchanged
-# from 2.0 through 2.13. enn composes these builders; it never writes to the dict here.
-
-
-def inductor_lowering(op: Any) -> Callable[..., Any]:
-    """Inductor's own lowering (IR builder) of an ATen/prims op."""
-    from torch._inductor import lowering as L
-
-    return L.lowerings[op]
-
-
 # --- Debugging tools (enn_backend.debug) ------------------------------------------------
 # Checked on 2.11 and 2.13: trace_structured (since 2.3), make_fx, fx_minifier.minifier
 # (signature with save_dir/offload_to_disk/skip_sanity/max_granularity since 2.1), and
@@ -211,6 +183,34 @@ def registered_op_names(namespace: str) -> list[str]:
     return sorted({n for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})
 
 
+# --- Inductor IR builders for enn's lowerings (lowerings/precision.py) -------------------
+# torch._inductor.lowering.lowerings is a private dict of op -> IR builder, unchanged
+# from 2.0 through 2.13. enn composes these builders; it never writes to the dict here.
+
+
+def inductor_lowering(op: Any) -> Callable[..., Any]:
+    """Inductor's own lowering (IR builder) of an ATen/prims op."""
+    from torch._inductor import lowering as L
+
+    return L.lowerings[op]
+
+
+# --- Benchmark suite (enn_backend.bench) ------------------------------------------------
+# torch._inductor.utils.clear_inductor_caches exists from 2.1 to 2.13 (from 2.8 an alias of
+# clear_caches); checked in the 2.11 and 2.13 sources. Covered by tests/test_bench.py.
+
+
+def clear_inductor_memory_caches() -> None:
+    """Forget Inductor's in-memory caches of compiled code (the disk caches are untouched).
+
+    The benchmark gives each backend its own cache folder so that one backend's
+    compiled kernels never make another's "cold" compile look fast.
+    """
+    from torch._inductor import utils
+
+    (getattr(utils, "clear_caches", None) or utils.clear_inductor_caches)()
+
+
 # --- Real tensors while a FakeTensorMode is active (passes/epilogue.py) -----------------
 # Joint-graph passes run inside AOT Autograd's FakeTensorMode. The epilogue pass evaluates
 # small real float64 probes; torch._subclasses.fake_tensor.unset_fake_temporarily exists,
@@ -222,3 +222,9 @@ def real_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()

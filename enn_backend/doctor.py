@@ -1,0 +1,85 @@
+"""``python -m enn_backend doctor``: what enn sees on this machine.
+
+Prints torch / Triton versions, devices and their capabilities, which attention
+kernels are usable here, the options in effect (ENN_* variables included), the cache
+directories, and whether Dynamo resolves ``backend="enn"`` through the entry point.
+Exits non-zero if something enn needs is broken.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import sys
+
+import torch
+
+from . import __version__, compat
+from .options import Options, OptionsError
+
+
+def _attention_backends(device: torch.device) -> list[tuple[str, bool, str]]:
+    rows = [("math (SDPA)", True, "always available")]
+    if device.type == "cuda":
+        cuda = torch.backends.cuda
+        rows.append(("flash (SDPA)", bool(getattr(cuda, "is_flash_attention_available", lambda: False)()), "sm80+, fp16/bf16"))
+        rows.append(("efficient (SDPA)", True, "memory-efficient kernel"))
+        rows.append(("cudnn (SDPA)", torch.backends.cudnn.is_available(), f"cuDNN {torch.backends.cudnn.version()}"))
+    else:
+        rows.append(("flash (SDPA, CPU)", True, "CPU flash-attention kernel"))
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+
+        rows.append(("FlexAttention", True, "compiled through Inductor" + ("" if device.type == "cuda" else " (CPU: inference only)")))
+    except ImportError as exc:
+        rows.append(("FlexAttention", False, str(exc)))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ok = True
+    print(f"enn {__version__}  (python {platform.python_version()}, {platform.machine()})")
+    print(f"torch {torch.__version__}  triton {compat.triton_version() or 'not installed'}")
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices += [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    for d in devices:
+        if d.type == "cuda":
+            p = torch.cuda.get_device_properties(d)
+            print(f"device {d}: {p.name}, sm{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+        else:
+            print(f"device cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads")
+        for name, usable, note in _attention_backends(d):
+            print(f"    attention {name:<18} {'yes' if usable else 'no ':<4} {note}")
+    try:
+        opts = Options.from_sources()
+        changed = {k: v for k, v in opts.to_dict().items() if v != getattr(Options(), k)}
+        print(f"options in effect: {changed or 'defaults'}")
+        cache = opts.resolved_cache_dir()
+        writable = os.access(cache, os.W_OK) if os.path.isdir(cache) else os.access(os.path.dirname(cache) or ".", os.W_OK)
+        print(f"enn cache dir: {cache} ({'writable' if writable else 'NOT writable: kernel state will not persist'})")
+        print(f"enn repro dir: {os.path.abspath(opts.repro_dir)}")
+    except OptionsError as exc:
+        ok = False
+        print(f"options: ERROR {exc}")
+    print(f"inductor cache dir: {compat.inductor_cache_dir()}")
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    ep = next((e for e in eps if e.name == "enn"), None)
+    print(f"entry point torch_dynamo_backends:enn -> {ep.value if ep else 'MISSING (is enn installed with pip?)'}")
+    ok &= ep is not None
+    listed = "enn" in torch._dynamo.list_backends()
+    print(f"torch._dynamo.list_backends() lists enn: {'yes' if listed else 'NO'}")
+    ok &= listed
+    try:
+        fn = torch._dynamo.lookup_backend("enn")
+        print(f"backend='enn' resolves to {fn.__module__}.{fn.__qualname__}")
+    except Exception as exc:  # noqa: BLE001
+        ok = False
+        print(f"backend='enn' does NOT resolve: {type(exc).__name__}: {exc}")
+    print("status:", "ok" if ok else "PROBLEMS FOUND (see above)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
