@@ -288,7 +288,7 @@ def _one_line(exc: BaseException) -> str:
     # Inductor wraps lowering errors; the cause's own message is the useful line.
     cause = exc.__cause__ or exc.__context__
     head = f"{type(exc).__name__}: {lines[0][:300] if lines else ''}"
-    if cause is not None and str(cause).strip():
+    if cause is not None and str(cause).strip() and str(cause).strip().splitlines()[0] not in head:
         head += f" (caused by {type(cause).__name__}: {str(cause).strip().splitlines()[0][:200]})"
     return head
 
@@ -343,3 +343,54 @@ def run_repro(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, 
         return EXIT_FAULT
     print("fault does not reproduce: enn's fast path agrees with eager (exit 0)")
     return EXIT_OK
+
+
+# ----------------------------------------------------------------------------- the corpus' test
+_FALLBACK_OF = {"compile": "compile_error", "exception": "exception", "nonfinite": "nonfinite"}
+
+
+def guarded_problems(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, options: dict[str, Any],
+                     expect: dict[str, Any], calls: int = 2) -> list[str]:
+    """Run the graph the way enn runs it in a model (compiled, inside the runtime guard) and
+    list what is wrong: the result differs from eager, or the report does not name the fault.
+
+    Used by every ``minifier_repros/repro_*.py`` test; an empty list means enn handles it.
+    """
+    from ..graph_compiler import GraphCompiler
+    from ..guard.faults import parse_fault_spec
+    from ..guard.runtime import GuardedGraph
+    from ..options import Options
+    from ..passes import PassManager
+    from ..report import report
+
+    inputs = list(inputs)
+    eager, eager_exc = _run_eager(module, inputs)
+    if eager_exc is not None:
+        return [f"eager raises: {_one_line(eager_exc)}"]
+    opts = Options.from_sources(options).replace(persist=False, repro=False)
+    if opts.guard in ("off", "strict"):
+        opts = opts.replace(guard="nonfinite")
+    gm = trace(module, inputs)
+    patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
+    patches["post_grad_custom_post_pass"] = PassManager(opts, "corpus", "post_grad")
+    fake_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    start = len(report().fallbacks)
+    compiler = GraphCompiler(gm, fake_inputs, _phase_kwargs(phase), opts=opts, unit="corpus",
+                             config_patches=patches, fault_specs=parse_fault_spec(opts.fault_inject))
+    guarded = GuardedGraph(compiler, compiler.build(), compiler.record)
+    problems: list[str] = []
+    for i in range(calls):
+        with torch.no_grad():
+            outs = _flat(guarded([clone_input(x) for x in inputs]))
+        v = compare(outs, eager, lambda: None)
+        if v.kind != "ok":
+            problems.append(f"call {i + 1}: guarded result differs from eager: {v.message}; " + "; ".join(v.details))
+    fallbacks = report().fallbacks[start:]
+    want = _FALLBACK_OF.get(expect.get("kind", ""), expect.get("kind", ""))
+    hits = [f for f in fallbacks if f.kind == want]
+    if not hits:
+        problems.append(f"no {want!r} fallback in the report (got {[f.kind for f in fallbacks]})")
+    named = set(expect.get("nodes", []))
+    if named and not any(named & set(f.node.split(",")) for f in hits):
+        problems.append(f"the report blames {[f.node for f in hits]}, not {sorted(named)}")
+    return problems

@@ -140,8 +140,14 @@ def _as_saved(x: Any) -> Any:
 
 # ----------------------------------------------------------------------------- the script
 def script_source(gm: fx.GraphModule, inputs: Sequence[Any], *, phase: str, options: dict[str, Any],
-                  expect: dict[str, Any], title: str, inline: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
-    """The full text of a repro script, and the constants to save next to it."""
+                  expect: dict[str, Any], title: str, inline: bool = False,
+                  corpus_test: str | None = None, corpus_doc: str = "") -> tuple[str, dict[str, torch.Tensor]]:
+    """The full text of a repro script, and the constants to save next to it.
+
+    ``inline``: inputs are built in the script (no inputs.pt). ``corpus_test``: write a
+    ``minifier_repros/`` file instead, with a pytest function of that name asserting that
+    enn's guard handles the fault (``corpus_doc`` says what the fault is and where it came from).
+    """
     classes, constants = graph_source(gm)
     metas = [input_meta(x) for x in inputs]
     const_meta = {k: input_meta(v) for k, v in constants.items()}
@@ -150,7 +156,20 @@ def script_source(gm: fx.GraphModule, inputs: Sequence[Any], *, phase: str, opti
     now = datetime.datetime.now().isoformat(timespec="seconds")
     from enn_backend import __version__
 
-    doc = f'''#!/usr/bin/env python
+    if corpus_test:
+        inline = True
+        doc = f'''#!/usr/bin/env python
+"""{title}
+
+{corpus_doc.strip()}
+
+    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 1 while the
+                            fault still reproduces (0 once fixed upstream, 2 undecided)
+    pytest <this file>      enn's guard must handle it: eager's result, the report names it
+"""
+'''
+    else:
+        doc = f'''#!/usr/bin/env python
 """{title}
 
 Written by enn {__version__} (torch {torch.__version__}) on {now}.
@@ -178,6 +197,11 @@ ENN_* environment variables override OPTIONS (e.g. ENN_EPILOGUE=0 python repro.p
         parts.append(inline_inputs_source(inputs) + "\n")
     else:
         parts.append("def make_inputs():\n    return load_inputs(os.path.join(HERE, 'inputs.pt'), INPUTS)\n\n")
+    if corpus_test:
+        parts[1] = parts[1].replace("regenerate, run_repro", "guarded_problems, regenerate, run_repro")
+        parts.append(f"def {corpus_test}():\n"
+                     "    problems = guarded_problems(make_module(), make_inputs(), phase=PHASE, options=OPTIONS, expect=EXPECT)\n"
+                     "    assert not problems, problems\n\n")
     parts.append('\nif __name__ == "__main__":\n'
                  "    sys.exit(run_repro(make_module(), make_inputs(), phase=PHASE, options=OPTIONS, expect=EXPECT))\n")
     return "\n".join(parts), constants
@@ -249,7 +273,9 @@ def write_repro(compiler: Any, *, kind: str, what: str, inputs: Sequence[Any] | 
     rec = compiler.record
     node_list = [n for n in nodes.split(",") if n and not n.startswith("<")]
     folder = unique_folder(compiler.opts.repro_dir, f"{rec.id.replace('/', '-')}-{kind}-{node_list[0] if node_list else 'graph'}")
-    expect = {"kind": kind, "nodes": node_list, "what": what.strip().splitlines()[0][:300] if what else "", "graph": rec.id}
+    ops = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
+    index = [i for i, n in enumerate(ops) if n.name in node_list]
+    expect = {"kind": kind, "nodes": node_list, "node_index": index, "what": what.strip().splitlines()[0][:300] if what else "", "graph": rec.id}
     title = f"enn repro: {kind} in graph {rec.id} ({compiler.phase}), blamed node(s): {', '.join(node_list) or '<graph>'}"
     return write_repro_dir(folder, gm, real, phase=compiler.phase, options=saved_options(compiler.opts),
                            expect=expect, title=title)
