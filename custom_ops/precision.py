@@ -2,9 +2,9 @@
 
 Why ops and not decompositions: a decomposition runs *below* autograd, so the
 backward still uses what autograd saved, i.e. the forward output rounded to
-fp16/bf16. For softmax that rounding is what ruins the gradient of a peaked row
-(fp16, logits of magnitude 1e3: relative gradient error ~0.8 in eager and
-Inductor alike, ~3e-4 with fp32 statistics). These ops save the *input* plus one
+fp16/bf16. For softmax that rounding is what costs the gradient of a peaked row
+(logits ~ randn*50, 256 classes: relative gradient error vs fp64 of 5.4e-3 with
+ATen's backward in bf16 vs 1.6e-3 here; fp16: 9.6e-4 vs 2.7e-4). These ops save the *input* plus one
 fp32 statistic per row instead of the rounded output, and the backward recomputes
 the normalized values in fp32:
 
