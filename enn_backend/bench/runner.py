@@ -78,6 +78,7 @@ class BenchConfig:
     slow_threshold: float = 0.97  # enn/inductor speed ratio under which a workload is profiled
     budget_s: float | None = None  # stop starting new workloads after this long
     threads: int | None = None  # CPU: torch.set_num_threads for the run (None: torch's default)
+    warm_up: bool = True  # one throwaway compile first, so no backend pays the compiler's start-up
     preset: str = "custom"
     command: str = ""
 
@@ -172,20 +173,32 @@ def _graph_count() -> int:
     return int(compat.dynamo_counters["stats"].get("unique_graphs", 0))
 
 
-def _enn_summary() -> dict[str, Any]:
+def _enn_units() -> set[str]:
+    return {g.unit for g in enn_backend.report().graphs}
+
+
+def _enn_summary(units: set[str]) -> dict[str, Any]:
+    """What enn's report says about the graphs of ``units`` (one backend's compiles)."""
     rep = enn_backend.report()
+    graphs = [g for g in rep.graphs if g.unit in units]
+    fallbacks = [f for f in rep.fallbacks if f.graph.split("/")[0] in units]
+    fusions: dict[str, int] = {}
     kinds: dict[str, int] = {}
-    for fb in rep.fallbacks:
-        kinds[fb.kind] = kinds.get(fb.kind, 0) + 1
     paths: dict[str, int] = {}
-    for g in rep.graphs:
+    for g in graphs:
+        for k, v in g.fusions.items():
+            fusions[k] = fusions.get(k, 0) + v
         paths[g.path] = paths.get(g.path, 0) + 1
+    for fb in fallbacks:
+        kinds[fb.kind] = kinds.get(fb.kind, 0) + 1
     return {
-        "fusions": rep.fusions(),
+        "fusions": fusions,
         "fallbacks": kinds,
-        "fallback_details": [f"[{f.kind}] {f.phase} {f.node}: {f.reason[:160]} -> {f.action}" for f in rep.fallbacks][:10],
+        "fallback_details": [f"[{f.kind}] {f.phase} {f.node}: {f.reason[:160]} -> {f.action}" for f in fallbacks][:10],
         "graph_paths": paths,
-        "pinned": sum(len(g.pinned) for g in rep.graphs),
+        "graphs": [g.id for g in graphs],
+        "pinned": sum(len(g.pinned) for g in graphs),
+        "kernel_choices": [c for g in graphs for c in g.kernel_choices][:20],
     }
 
 
@@ -218,7 +231,10 @@ class Timer:
 
     def _cuda_sample(self, fn: Callable[[], Any]) -> float:
         if self._do_bench is not None:
-            return float(self._do_bench(fn, warmup=5, rep=self.cfg.rep_ms, return_mode="median"))
+            try:
+                return float(self._do_bench(fn, warmup=5, rep=self.cfg.rep_ms, return_mode="median"))
+            except TypeError:  # a Triton without return_mode: quantiles=[0.5] is the median
+                return float(self._do_bench(fn, warmup=5, rep=self.cfg.rep_ms, quantiles=[0.5]))
         n = 10
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -331,6 +347,8 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     steps: dict[str, Callable[[], Any]] = {}
     models: dict[str, torch.nn.Module] = {}
     verdicts: dict[str, accuracy.Verdict] = {}
+    enn_units: dict[str, set[str]] = {}
+    enn_backend.reset()
     if "eager" in results:
         results["eager"].accuracy = {"passed": True, "reason": "the result compiled backends are compared with",
                                      "rel_error_compiled": accuracy.relative_error(eager_runs[0], ref)}
@@ -341,8 +359,7 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
         fn: Callable = m
         try:
             if kwargs is not None:
-                if kwargs["backend"] == "enn":
-                    enn_backend.reset()
+                units0 = _enn_units()
                 g0 = _graph_count()
                 with cache_dir(os.path.join(cache_root, f"{name}-{mode}-{dtype}-{b}")):
                     fn = torch.compile(m, **kwargs)
@@ -352,6 +369,8 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
                     _sync(device)
                     res.compile_cold_s = time.perf_counter() - t0
                 res.graphs = _graph_count() - g0
+                if kwargs["backend"] == "enn":
+                    enn_units[b] = _enn_units() - units0
                 v = accuracy.compare(out, eager_runs[0], ref, tol=tol, dtype=dtype)
                 verdicts[b] = v
                 res.accuracy = {**v.to_dict(), "reliable": agrees}
@@ -378,9 +397,8 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     except Exception as exc:  # noqa: BLE001
         wl["timing_error"] = _format_exc(exc)
         traceback.print_exc(limit=3, file=sys.stderr)
-    for b in names:
-        if BACKENDS[b] is not None and BACKENDS[b]["backend"] == "enn" and results[b].ok:
-            results[b].enn = _enn_summary()  # after timing: runtime fallbacks count too
+    for b, units in enn_units.items():
+        results[b].enn = _enn_summary(units)  # after timing: runtime fallbacks count too
 
     # ---- speed ratio, accuracy comparison, profile evidence
     ind, enn = results.get("inductor"), results.get("enn")
@@ -507,7 +525,10 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
         torch.set_num_threads(cfg.threads)
     result["device"]["torch_threads"] = torch.get_num_threads()
     try:
-        _warm_up_compiler(cfg.device, cache_root)
+        if cfg.warm_up:
+            t0 = time.perf_counter()
+            _warm_up_compiler(cfg.device, cache_root)
+            result["compiler_warm_up_s"] = time.perf_counter() - t0
         for i, (model, mode, dt) in enumerate(work):
             if cfg.budget_s is not None and time.perf_counter() - t_start > cfg.budget_s:
                 result["skipped"].append({"model": model, "mode": mode, "dtype": dt, "why": f"time budget {cfg.budget_s:.0f}s spent"})
