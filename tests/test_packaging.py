@@ -1,0 +1,66 @@
+"""The wheel: only `enn_backend` at the top level, and backend="enn" works with no import."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_NO_IMPORT_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    assert "enn_backend" not in sys.modules
+    assert "enn" in torch._dynamo.list_backends(), torch._dynamo.list_backends()
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    y = torch.compile(m, backend="enn")(x)
+    torch.testing.assert_close(y, m(x))
+    import enn_backend, enn_backend.custom_ops, enn_backend.lowerings
+    assert len(enn_backend.report().graphs) == 1
+    print("ENN_FROM", enn_backend.__file__)
+    print("OPS_FROM", enn_backend.custom_ops.__file__)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+                   check=True, capture_output=True, timeout=600)
+    (whl,) = out.glob("enn_backend-*.whl")
+    return whl
+
+
+def test_wheel_has_only_enn_backend_at_top_level(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"enn_backend", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}, top
+    assert "enn_backend/lowerings/__init__.py" in names and "enn_backend/custom_ops/__init__.py" in names
+    entry_points = zipfile.ZipFile(wheel).read(f"enn_backend-{wheel.name.split('-')[1]}.dist-info/entry_points.txt").decode()
+    assert "[torch_dynamo_backends]" in entry_points and "enn = enn_backend.backend:enn" in entry_points
+
+
+def test_fresh_venv_compiles_with_backend_enn_without_import(wheel, tmp_path):
+    # --system-site-packages provides torch; the wheel is installed into the venv itself, and
+    # the test checks that the process really ran the venv's copy, not a development checkout.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
+                   capture_output=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(py), "-c", _NO_IMPORT_SCRIPT], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    site = str(venv)
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("ENN_FROM", "OPS_FROM")))
+    assert lines["ENN_FROM"].startswith(site), lines
+    assert lines["OPS_FROM"].startswith(site) and "enn_backend/custom_ops" in lines["OPS_FROM"], lines
