@@ -25,8 +25,10 @@ the eager implementation below all call it, so they always agree. Kernels:
               fused kernel applies, and the last step of the eager ladder.
 
 :func:`select_kernel` returns ``inductor`` when no fused kernel beats what Inductor does
-on its own (an extern GEMM + one fused pointwise kernel): the pass then leaves the
-graph alone and the lowering emits Inductor IR (``aten`` in eager).
+on its own (an extern GEMM + one fused pointwise kernel), and always under max-autotune,
+where Inductor benchmarks its GEMM templates (activation fused as their epilogue) against
+the vendor GEMM itself: the pass then leaves the graph alone and the lowering emits
+Inductor IR (``aten`` in eager).
 
 Autograd: the backward needs the pre-activation's derivative. For relu it is read off
 the output (``out > 0``), so nothing extra is kept. For gelu, gelu_tanh and silu the op
@@ -113,6 +115,7 @@ class GemmProblem:
     act: str
     has_bias: bool
     bias_dtype_matches: bool = True
+    autotune: bool = False  # Inductor's max-autotune (GEMM templates) is on
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,14 @@ def check_dtype(p: GemmProblem) -> tuple[bool, str]:
     return True, f"dtype {p.dtype}"
 
 
+def check_not_autotuning(p: GemmProblem) -> tuple[bool, str]:
+    """Under max-autotune Inductor benchmarks its GEMM templates, with the activation fused
+    as their epilogue, against the vendor GEMM: enn does not pre-empt that measured choice."""
+    if p.autotune:
+        return False, "max-autotune: Inductor autotunes GEMM templates with the activation as epilogue"
+    return True, "no autotuning"
+
+
 def check_cublaslt(p: GemmProblem, caps: HwCaps) -> tuple[bool, str]:
     """torch._addmm_activation on CUDA: relu or tanh-GELU epilogue, needs a bias vector."""
     if p.device_type != "cuda" or not caps.cublaslt:
@@ -192,6 +203,9 @@ def select_kernel(p: GemmProblem, caps: HwCaps | None = None) -> KernelChoice:
     ok, why = check_dtype(p)
     if not ok:
         return KernelChoice("inductor", why, actionable=not p.bias_dtype_matches)
+    ok, why = check_not_autotuning(p)
+    if not ok:
+        return KernelChoice("inductor", why)
     if p.device_type == "cuda":
         ok, why = check_cublaslt(p, caps)
         if ok:
@@ -204,6 +218,14 @@ def select_kernel(p: GemmProblem, caps: HwCaps | None = None) -> KernelChoice:
             return KernelChoice("onednn", why)
         return KernelChoice("inductor", why, actionable=p.dtype == torch.float16)
     return KernelChoice("inductor", f"no fused kernel for device {p.device_type!r}")
+
+
+def autotuning() -> bool:
+    """Whether Inductor's GEMM autotuning is on in the current (patched) Inductor config."""
+    from enn_backend import compat
+
+    config = compat.inductor_config
+    return bool(config.max_autotune or config.max_autotune_gemm)
 
 
 def problem_of(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> GemmProblem:

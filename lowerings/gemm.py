@@ -58,6 +58,7 @@ def _problem(x, weight, bias, act: str) -> G.GemmProblem:
         act=act,
         has_bias=bias is not None,
         bias_dtype_matches=bias is None or bias.get_dtype() == dtype,
+        autotune=G.autotuning(),
     )
 
 

@@ -116,8 +116,8 @@ CUDA = G.HwCaps("cuda", cublaslt=True)
 CPU = G.HwCaps("cpu", onednn=True, onednn_bf16=True, onednn_fp16=False)
 
 
-def _p(device="cuda", dtype=torch.bfloat16, act="gelu_tanh", bias=True, bias_ok=True):
-    return G.GemmProblem(device, dtype, act, bias, bias_ok)
+def _p(device="cuda", dtype=torch.bfloat16, act="gelu_tanh", bias=True, bias_ok=True, autotune=False):
+    return G.GemmProblem(device, dtype, act, bias, bias_ok, autotune)
 
 
 @pytest.mark.parametrize("problem, caps, kernel, actionable", [
@@ -134,6 +134,8 @@ def _p(device="cuda", dtype=torch.bfloat16, act="gelu_tanh", bias=True, bias_ok=
     (_p("cpu", dtype=torch.float16), CPU, "inductor", True),
     (_p("cpu"), G.HwCaps("cpu", onednn=True), "inductor", False),  # no native bf16 GEMM
     (_p("mps"), G.HwCaps("mps"), "inductor", False),
+    (_p(autotune=True), CUDA, "inductor", False),  # max-autotune: Inductor's templates decide
+    (_p("cpu", autotune=True), CPU, "inductor", False),
 ])
 def test_select_kernel(problem, caps, kernel, actionable):
     choice = G.select_kernel(problem, caps)
@@ -331,3 +333,26 @@ def test_gpu_cublaslt_epilogue(act, kernel):
     assert enn_backend.report().fusions().get("epilogue", 0) == (1 if kernel == "cublaslt" else 0)
     assert [c["choice"] for c in _choices()] == [kernel]
     _close_to_fp64(got, eager, ref64)
+
+
+def test_cublaslt_lowering_path_on_cpu(monkeypatch):
+    """The cuBLASLt branch of the lowering (extern aten._addmm_activation), run on CPU for relu:
+    CPU's _addmm_activation computes the same relu, so the Inductor extern mechanics are tested."""
+    orig = G.select_kernel
+
+    def select(p, caps=None):
+        if p.act == "relu" and p.has_bias:
+            return G.KernelChoice("cublaslt", "test: forced")
+        return orig(p, caps)
+
+    monkeypatch.setattr(G, "select_kernel", select)
+    monkeypatch.setattr(G, "run_cublaslt", lambda *a: pytest.fail("eager op impl called from compiled code"))
+    torch.manual_seed(0)
+    model = MLP(acts=("relu", "relu"))
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        got = _compile(model)(x)
+        want = model(x)
+    assert enn_backend.report().fusions().get("epilogue") == 2
+    assert [c["choice"] for c in _choices()] == ["cublaslt", "cublaslt"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -207,16 +207,16 @@ def find_match(src: Source) -> Match | None:
     with compat.real_tensor_mode():
         values = _closure(src.out)
         acts = {n: fingerprint(v) for n, v in values.items() if n is not src.out}
-    order = {n: i for i, n in enumerate(src.out.graph.nodes)}
     gemm_val = _val(src.out)
     cands = []
     for n, act in acts.items():
         nv = _val(n)
         if act and isinstance(nv, torch.Tensor) and nv.dtype == gemm_val.dtype and nv.shape == gemm_val.shape:
-            cands.append((order[n], n, act))
+            cands.append((n, act))
     if not cands:
         return None
-    _, out, act = min(cands, key=lambda c: c[0])
+    order = {n: i for i, n in enumerate(src.out.graph.nodes)}
+    out, act = min(cands, key=lambda c: order[c[0]])
     # the chain: closure nodes and source nodes that out depends on
     pool = set(values) | set(src.nodes)
     chain: set[fx.Node] = set()
@@ -283,7 +283,8 @@ class EpiloguePass(EnnPass):
                            "e.g. the activation's backward; the fused kernel does not return it"), None
         gv, bv = _val(m.src.gemm), _val(m.src.bias)
         problem = G.GemmProblem(device_type=gv.device.type, dtype=gv.dtype, act=m.act,
-                                has_bias=bv is not None, bias_dtype_matches=bv is None or bv.dtype == gv.dtype)
+                                has_bias=bv is not None, bias_dtype_matches=bv is None or bv.dtype == gv.dtype,
+                                autotune=G.autotuning())
         choice = G.select_kernel(problem)
         if choice.kernel == "inductor":
             return False, choice.reason, choice
