@@ -49,6 +49,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .pinned import register_safe_path
+
 log = logging.getLogger(__name__)
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -343,3 +345,9 @@ def _backward(ctx, grad):
 
 
 gemm_bias_act.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_safe_path("enn.gemm_bias_act.default")
+def _safe_path(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> torch.Tensor:
+    """What a pinned enn::gemm_bias_act runs: the unfused ATen GEMM + activation."""
+    return ACT_FN[act](F.linear(x, weight, bias))

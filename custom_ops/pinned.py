@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -92,11 +92,27 @@ def _fill(x: Any, tensors: list, ints: list) -> Any:
     return x
 
 
+# enn op name -> its safe path. An enn op's own eager kernel may be the fast kernel
+# that failed (e.g. a fused cuBLASLt GEMM), so pinning it runs this instead: the
+# plain-ATen / math implementation with the same signature and results.
+SAFE_PATHS: dict[str, Callable[..., Any]] = {}
+
+
+def register_safe_path(op_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: ``fn(*args, **kwargs)`` is the safe path of enn op ``op_name`` ('enn.x.default')."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        SAFE_PATHS[op_name] = fn
+        return fn
+
+    return deco
+
+
 def _run(spec: str, tensors: list, ints: list) -> list[torch.Tensor]:
     op, data = _decode(spec)
     args = _fill(data["args"], tensors, ints)
     kwargs = {k: _fill(v, tensors, ints) for k, v in data["kwargs"].items()}
-    out = op(*args, **kwargs)
+    out = SAFE_PATHS.get(data["op"], op)(*args, **kwargs)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     # A custom op may not return an alias of its inputs: views are materialized.
     aliasing = [r.alias_info is not None for r in op._schema.returns]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import Any, Callable
 
@@ -49,23 +50,32 @@ def nonfinite_outputs(outs: Any) -> list[int]:
     for i in idx:
         t = flat[i]
         by_device.setdefault(t.device, []).append(t.sum(dtype=torch.float32) if t.dtype != torch.float64 else t.sum())
-    screens = [torch.isfinite(torch.stack(s)).all() for s in by_device.values()]
-    if all(bool(s) for s in screens):
+    # NaN + x = NaN and Inf - Inf = NaN: one finite total means every output is finite.
+    if all(math.isfinite(torch.stack(sums).sum().item()) for sums in by_device.values()):
         return []
     return [i for i in idx if not bool(torch.isfinite(flat[i]).all())]
 
 
-def _agree(flag: bool, device_hint: torch.device | None = None) -> bool:
-    """Under torch.distributed, the OR of ``flag`` over all ranks (every rank decides alike)."""
+_OK, _NONFINITE, _EXCEPTION = 0, 1, 2
+
+
+def _agree_level(level: int) -> int:
+    """Under torch.distributed, the max of ``level`` over all ranks, so that every rank
+    takes the same branch of the ladder (and runs the same collectives in it)."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
+    if not _distributed():
+        return level
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
+    t = torch.tensor([level], device=device, dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return int(t.item())
+
+
+def _agree(flag: bool) -> bool:
+    """Under torch.distributed, the OR of ``flag`` over all ranks."""
+    return bool(_agree_level(int(flag)))
 
 
 def _distributed() -> bool:
@@ -119,20 +129,25 @@ class GuardedGraph:
         inputs = list(args)  # the compiled code may clear `args` to free memory early
         snapshot = [inputs[i].clone() for i in self.mutated] if self.mutated else None
         rng = _RngSnapshot() if self.random else None
+        out, exc, bad = None, None, []
         try:
             out = self.compiled(args)
         except torch.OutOfMemoryError:
             raise  # not a kernel fault: eager would need the same memory
-        except Exception as exc:  # noqa: BLE001 - any kernel failure enters the ladder
-            if _distributed():
-                _agree(True)
-            return self._on_fault("exception", inputs, snapshot, rng, exc=exc)
-        bad = nonfinite_outputs(out) if check else []
-        if _distributed() and _agree(bool(bad)) and not bad:
-            bad = [-1]  # another rank faulted: take the same path
-        if bad:
-            return self._on_fault("nonfinite", inputs, snapshot, rng, bad=bad)
-        return out
+        except Exception as e:  # noqa: BLE001 - any kernel failure enters the ladder
+            exc = e
+        if exc is None and check:
+            bad = nonfinite_outputs(out)
+        level = _EXCEPTION if exc is not None else (_NONFINITE if bad else _OK)
+        if _distributed():
+            agreed = _agree_level(level)
+            if agreed > level:
+                bad = [-1]  # another rank faulted: every rank takes the same path
+            level = agreed
+        if level == _OK:
+            return out
+        kind = "exception" if level == _EXCEPTION else "nonfinite"
+        return self._on_fault(kind, inputs, snapshot, rng, exc=exc, bad=bad)
 
     # --------------------------------------------------------------- the ladder
     def _restore(self, inputs: list, snapshot: list | None, rng: _RngSnapshot | None) -> None:
@@ -154,7 +169,12 @@ class GuardedGraph:
         rec, phase, R = self.record, self.record.phase, report()
         rec.counters["faults"] = rec.counters.get("faults", 0) + 1
         R.count("guard.faults")
-        what = f"{type(exc).__name__}: {exc}" if exc is not None else "NaN/Inf in compiled output"
+        if exc is not None:
+            what = f"{type(exc).__name__}: {exc}"
+        elif bad == [-1]:
+            what = f"another rank's compiled graph {'raised' if kind == 'exception' else 'gave NaN/Inf'} (decision shared by all ranks)"
+        else:
+            what = "NaN/Inf in compiled output"
         self._restore(inputs, snapshot, rng)
         eager_out, eager_exc = self._run_eager(self.compiler.eager_gm, inputs)
         rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
@@ -182,7 +202,7 @@ class GuardedGraph:
             except torch.OutOfMemoryError:
                 raise
             except Exception:  # noqa: BLE001
-                return _agree(True) if _distributed() else True
+                return _agree(True)
             faulty = kind == "nonfinite" and bool(nonfinite_outputs(out))
             if _distributed():
                 faulty = _agree(faulty)
