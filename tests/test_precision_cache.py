@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _CACHE_SCRIPT = textwrap.dedent("""
     import torch
     from torch._dynamo.utils import counters
@@ -14,7 +16,8 @@ _CACHE_SCRIPT = textwrap.dedent("""
         return torch.logsumexp(x, -1) + x.sum(-1) * 1e-3
     x = torch.ones(2, 4096, dtype=torch.float16)
     torch.compile(f, backend="enn")(x)
-    print("HITS", counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_bypass"])
+    from enn_backend.passes import source_hash
+    print("HITS", counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_bypass"], source_hash())
 """)
 
 
@@ -25,6 +28,9 @@ def test_fx_graph_cache_hit_in_second_process(tmp_path):
     for _ in range(2):
         r = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
-        outs.append([int(v) for v in r.stdout.split("HITS")[1].split()])
+        hits, bypass, src = r.stdout.split("HITS")[1].split()
+        outs.append((int(hits), int(bypass), src))
+    if outs[0][2] != outs[1][2]:
+        pytest.skip("enn's sources changed between the two processes (files edited meanwhile)")
     assert outs[0][1] == 0 and outs[1][1] == 0  # never bypassed (the table pickles)
     assert outs[1][0] >= 1  # the second process hits
