@@ -142,7 +142,7 @@ def stress() -> dict:
         row = {}
         for be in ("eager", "inductor", "enn"):
             torch._dynamo.reset()
-            f = fn if be == "eager" else torch.compile(enn_fn or fn if be == "enn" else fn, backend=be)
+            f = fn if be == "eager" else torch.compile((enn_fn or fn) if be == "enn" else fn, backend=be)
             xx = x0.clone().requires_grad_()
             y = f(xx)
             y.backward(g.to(y.dtype))
