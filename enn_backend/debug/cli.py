@@ -42,6 +42,13 @@ def report_main(argv: list[str]) -> int:
     return 0
 
 
+def _shown(path: str) -> str:
+    import os
+
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
 def minify_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m enn_backend minify",
                                 description="Shrink an enn repro (folder or repro.py) to the smallest graph that "
@@ -61,11 +68,11 @@ def minify_main(argv: list[str]) -> int:
         res = minify(args.repro, any_failure=args.any, max_granularity=args.max_granularity, out=args.out,
                      verbose=args.verbose)
         if args.corpus:
-            print(f"wrote {write_corpus(res.path, args.corpus, args.corpus_doc)}")
+            print(f"wrote {_shown(write_corpus(res.path, args.corpus, args.corpus_doc))}")
     except MinifyError as exc:
         print(f"enn minify: {exc}", file=sys.stderr)
         return 2
     print(f"enn minify: {res.kind} reproduces with {res.nodes_after} of {res.nodes_before} nodes "
           f"({res.checks} checks, {res.seconds:.1f}s)")
-    print(f"wrote {res.path}")
+    print(f"wrote {_shown(res.path)}")
     return 0

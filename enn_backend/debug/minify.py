@@ -127,14 +127,21 @@ def minify(repro: str, *, any_failure: bool = False, max_granularity: int | None
         checks += 1
         return replay.check(g, list(inps), phase=phase, options=options, gm=traced)
 
-    first = verdict(module, inputs, gm)
-    print(f"enn minify: {len(compute_nodes(gm))} compute nodes; original check: {first.kind}: {first.message}",
-          file=sys.stderr)
-    if first.undecided:
-        raise MinifyError(f"eager fails on the repro's inputs ({first.message}); nothing to minify")
-    if not first.failed:
-        raise MinifyError("the repro does not fail (enn's fast path agrees with eager); nothing to minify")
-    kind = first.kind
+    kind = expect.get("kind") if expect.get("kind") in replay.FAULT_KINDS else None
+    last: dict[int, replay.Verdict] = {}
+
+    established: list[bool] = []
+
+    def establish() -> str:
+        established.append(True)
+        first = verdict(module, inputs, gm)
+        print(f"enn minify: {len(compute_nodes(gm))} compute nodes; original check: {first.kind}: {first.message}",
+              file=sys.stderr)
+        if first.undecided:
+            raise MinifyError(f"eager fails on the repro's inputs ({first.message}); nothing to minify")
+        if not first.failed:
+            raise MinifyError("the repro does not fail (enn's fast path agrees with eager); nothing to minify")
+        return first.kind
 
     def fails(g: fx.GraphModule, inps: Sequence[Any]) -> bool:
         try:
@@ -142,10 +149,17 @@ def minify(repro: str, *, any_failure: bool = False, max_granularity: int | None
         except Exception as exc:  # noqa: BLE001 - a graph we cannot even trace does not count
             print(f"enn minify: candidate not checkable: {type(exc).__name__}: {exc}", file=sys.stderr)
             return False
-        return v.failed and (any_failure or v.kind == kind)
+        ok = v.failed and (any_failure or v.kind == kind)
+        if ok:
+            last[id(g)] = v
+        return ok
 
+    if kind is None:
+        kind = establish()
     best: tuple[fx.GraphModule, list[Any]] | None = None
-    # Step 1: the nodes the guard blamed, each alone.
+    final: replay.Verdict | None = None
+    # Step 1: the nodes the guard blamed, each alone. A blamed node failing alone the
+    # recorded way is the answer; the whole graph need not even be compiled.
     positions = expect.get("node_index") or []
     ops = _op_nodes(gm)
     blamed = [ops[i] for i in positions if i < len(ops)]
@@ -156,24 +170,26 @@ def minify(repro: str, *, any_failure: bool = False, max_granularity: int | None
             cand, cand_inputs = isolate(gm, n, values)
             if fails(cand, cand_inputs):
                 print(f"enn minify: the blamed node {n.name} ({n.target}) fails alone", file=sys.stderr)
-                best = (cand, cand_inputs)
+                best, final = (cand, cand_inputs), last[id(cand)]
                 break
-    # Step 2: torch's delta-debugging minifier.
+    # Step 2: torch's delta-debugging minifier, from a graph known to fail.
     if best is None:
-        start, start_inputs = gm, inputs
+        if not established:  # the whole graph must fail before torch's minifier starts
+            kind = establish()
         kwargs: dict[str, Any] = {"skip_sanity": True}
         if max_granularity is not None:
             kwargs["max_granularity"] = max_granularity
         print("enn minify: running torch's FX minifier" + ("" if verbose else " (--verbose shows its progress)"),
               file=sys.stderr)
         with contextlib.nullcontext() if verbose else contextlib.redirect_stderr(io.StringIO()):
-            min_gm, min_inputs = compat.fx_minifier(start, start_inputs, fails, **kwargs)
+            min_gm, min_inputs = compat.fx_minifier(gm, inputs, fails, **kwargs)
         best = (min_gm, list(min_inputs))
     min_gm, min_inputs = best
     min_gm = replay.trace(min_gm, min_inputs)  # clean ATen graph with fresh metadata
-    final = verdict(min_gm, min_inputs, min_gm)
-    if not final.failed:
-        raise MinifyError(f"the minimized graph does not fail ({final.kind}); please report this as an enn bug")
+    if final is None:
+        final = verdict(min_gm, min_inputs, min_gm)
+        if not final.failed:
+            raise MinifyError(f"the minimized graph does not fail ({final.kind}); please report this as an enn bug")
     names = [n.name for n in compute_nodes(min_gm)]
     out = out or os.path.join(folder, "minified")
     if os.path.isdir(out):
