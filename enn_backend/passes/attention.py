@@ -25,7 +25,6 @@ dropout between softmax and the second matmul, an intermediate used elsewhere) i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -68,6 +67,8 @@ def _one_user(n: fx.Node) -> bool:
 def _skip_views(n: Any, also: tuple = ()) -> Any:
     """Walk up through shape-only ops (view/alias/clone/expand without broadcasting) and ``also``."""
     while isinstance(n, fx.Node):
+        if n.target in _VIEWS and _is_gqa_expand(n.args[0]):
+            break  # keep grouped-query K/V as the [B, H, T, D] view; _gqa_base looks further
         if n.target in _VIEWS or n.target in also:
             n = n.args[0]
         elif n.target is aten.clone.default:
@@ -77,6 +78,13 @@ def _skip_views(n: Any, also: tuple = ()) -> Any:
         else:
             break
     return n
+
+
+def _is_gqa_expand(n: Any) -> bool:
+    """``n`` is (a clone of) an expand that broadcasts: the repeat of grouped-query K/V."""
+    if _is(n, aten.clone.default):
+        n = n.args[0]
+    return _is(n, aten.expand.default) and _shape(n.args[0]) != _shape(n)
 
 
 def _scalar(n: Any) -> Optional[float]:
@@ -295,7 +303,7 @@ def _constant_value(n: fx.Node) -> Optional[torch.Tensor]:
         stack.extend(x.all_input_nodes)
     env: dict = {}
     try:
-        with contextlib.nullcontext():  # the joint passes run outside fake mode: real tensors
+        with compat.real_tensor_mode():  # joint passes run inside a FakeTensorMode
             for x in sorted(order, key=_topo_index(n.graph)):
                 args = fx.map_arg(x.args, lambda a: env[a])
                 kwargs = fx.map_arg(x.kwargs, lambda a: env[a])
@@ -338,6 +346,24 @@ def _classify_keep(keep: torch.Tensor, tq: int, tk: int) -> Optional[tuple[str, 
     return None
 
 
+def _alibi_slopes(term: fx.Node, tq: int, tk: int, heads: int) -> Optional[fx.Node]:
+    """The per-head slopes node if ``term`` is ``slopes[h] * (j - i)`` (ALiBi written by hand)."""
+    if not _is(term, aten.mul.Tensor) or not all(isinstance(a, fx.Node) for a in term.args):
+        return None
+    for rel, slopes in (term.args, term.args[::-1]):
+        ss = _shape(slopes)
+        if ss is None or len(ss) < 3 or ss[-2:] != (1, 1) or ss[-3] != heads or any(d != 1 for d in ss[:-3]):
+            continue
+        rv = _constant_value(rel)
+        if rv is None or rv.shape[-2:] != (tq, tk) or any(d != 1 for d in rv.shape[:-2]):
+            continue
+        i = torch.arange(tq).view(tq, 1)
+        j = torch.arange(tk).view(1, tk)
+        if bool((rv.reshape(tq, tk).double() == (j - i).double()).all()):
+            return slopes
+    return None
+
+
 # ----------------------------------------------------------------------------- the pass
 class AttentionPass(EnnPass):
     """Fuse hand-written attention into ``enn::attention`` (+ ``enn::attention_backward``)."""
@@ -349,6 +375,8 @@ class AttentionPass(EnnPass):
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         import enn_backend.custom_ops  # noqa: F401  (the enn ops must be registered)
 
+        if any(_is(n, aten.alias.default) for n in graph.nodes):
+            compat.remove_noop_ops(graph)  # as a joint *pre* pass: Inductor runs this right after anyway
         count = 0
         for n in list(graph.nodes):
             if n.graph is not graph or not _is(n, aten.bmm.default):
@@ -411,43 +439,46 @@ class _Rewrite:
         keep_nodes: list = []
         bias_terms = list(m.bias_terms)
         minfill_masks: list = []
-        for cond, keep_when_true, fill, _factor in m.masks:
-            cv = _constant_value(cond)
-            if cv is not None:
-                keep = cv if keep_when_true else ~cv
-                cls = _classify_keep(keep, tq, tk) if isinstance(tq, int) and isinstance(tk, int) else None
-                if cls is not None:
-                    kind, w = cls
-                    if kind == "none":
-                        continue
-                    causal, window = True, (w if kind == "window" else window)
-                    continue
-            if fill == float("-inf"):
-                keep_nodes.append((cond, keep_when_true))
-            else:
-                minfill_masks.append((cond, keep_when_true, fill))
-        structural_bias = []
-        for term, factor in bias_terms:
-            cv = _constant_value(term)
-            if cv is not None and factor == 1.0 and cv.is_floating_point():
-                finite = torch.isfinite(cv)
-                lowest = cv.min() if cv.numel() else torch.tensor(0.0)
-                zero_or_masked = bool(((cv == 0) | ~finite | (cv <= torch.finfo(cv.dtype).min)).all())
-                if zero_or_masked and isinstance(tq, int) and isinstance(tk, int):
-                    cls = _classify_keep(cv == 0, tq, tk)
-                    fill_is_inf = not bool(finite.all())
-                    if cls is not None and (cls[0] != "none" or True):
+        alibi = alibi_term = None
+        with compat.real_tensor_mode():  # constant masks are evaluated on real tensors
+            for cond, keep_when_true, fill, _factor in m.masks:
+                cv = _constant_value(cond)
+                if cv is not None:
+                    keep = cv if keep_when_true else ~cv
+                    cls = _classify_keep(keep, tq, tk) if isinstance(tq, int) and isinstance(tk, int) else None
+                    if cls is not None:
                         kind, w = cls
-                        if kind != "none":
-                            causal, window = True, (w if kind == "window" else window)
-                        del lowest, fill_is_inf
+                        if kind == "none":
+                            continue
+                        causal, window = True, (w if kind == "window" else window)
                         continue
-            structural_bias.append((term, factor))
-        bias_terms = structural_bias
+                if fill == float("-inf"):
+                    keep_nodes.append((cond, keep_when_true))
+                else:
+                    minfill_masks.append((cond, keep_when_true, fill))
+            structural_bias = []
+            for term, factor in bias_terms:
+                cv = _constant_value(term)
+                if cv is not None and factor == 1.0 and cv.is_floating_point() and isinstance(tq, int) and isinstance(tk, int):
+                    # an additive mask of 0 / -inf / finfo.min built from constants (LLaMA's causal mask)
+                    masked = ~torch.isfinite(cv) | (cv <= torch.finfo(cv.dtype).min)
+                    if bool(((cv == 0) | masked).all()):
+                        cls = _classify_keep(cv == 0, tq, tk)
+                        if cls is not None:
+                            if cls[0] != "none":
+                                causal, window = True, (cls[1] if cls[0] == "window" else window)
+                            continue
+                if cv is None and alibi is None and factor == 1.0 and isinstance(tq, int) and isinstance(tk, int):
+                    found = _alibi_slopes(term, tq, tk, 1 if m.three_d else _shape(q)[1])
+                    if found is not None:
+                        alibi, alibi_term = found, term
+                        continue
+                structural_bias.append((term, factor))
+            bias_terms = structural_bias
         if causal and tq != tk:
             raise _Skip("causal mask with Tq != Tk (SDPA's causal is top-left aligned)")
         # ---- the graph regions and their gradients
-        inputs = [q, k_base, v_base] + [t for t, _ in bias_terms]
+        inputs = [q, k_base, v_base] + [t for t, _ in bias_terms] + ([alibi_term] if alibi_term is not None else [])
         region = _region(m.out, inputs)
         training = any(n.op == "placeholder" and _is_bwd(n) for n in self.g.nodes)
         bwd = _backward_region(self.g, region, inputs) if training else set()
@@ -457,6 +488,8 @@ class _Rewrite:
         grad_out = _grad_out(bwd, region, inputs, m.out) if grads else None
         if grads and grad_out is None:
             raise _Skip("could not find the gradient of the attention output")
+        if alibi_term is not None and len(inputs) - 1 in grads:
+            raise _Skip("ALiBi slopes that need a gradient")
         bias_grad = any(i >= 3 for i in grads)
         if bias_grad and (len(bias_terms) != 1 or bias_terms[0][1] != 1.0):
             raise _Skip("gradient needed for a bias built from several terms")
@@ -487,10 +520,14 @@ class _Rewrite:
                 bias = self.call(aten.unsqueeze.default, (bias, 1), before=before)
             if mask is not None and len(_shape(mask)) == 3:
                 mask = self.call(aten.unsqueeze.default, (mask, 1), before=before)
-        backend = self._choose(q4, k4, v4, mask, bias, bias_grad, causal, window, training and bool(grads))
+        alibi_node = None
+        if alibi is not None:
+            alibi_node = self.call(aten.view.default, (alibi, [_shape(q4)[1]]), before=before)
+        backend = self._choose(q4, k4, v4, mask, bias, bias_grad, causal, window, training and bool(grads),
+                               alibi_node is not None)
         masked_rows = "zero" if self.opts.masked_rows == "zero" else "eager"
         fwd = self.call(torch.ops.enn.attention.default,
-                        (q4, k4, v4, bias, mask, None, float(m.scale), causal, int(window), 0.0, masked_rows, backend),
+                        (q4, k4, v4, bias, mask, alibi_node, float(m.scale), causal, int(window), 0.0, masked_rows, backend),
                         before=before)
         out = self.call(operator.getitem, (fwd, 0), before=before)
         lse = self.call(operator.getitem, (fwd, 1), before=before)
@@ -506,7 +543,7 @@ class _Rewrite:
             if m.three_d:
                 g_in = self.call(aten.unsqueeze.default, (grad_out, 1), before=first_bwd)
             b = self.call(torch.ops.enn.attention_backward.default,
-                          (g_in, q4, k4, v4, bias, mask, None, out, lse, float(m.scale), causal, int(window),
+                          (g_in, q4, k4, v4, bias, mask, alibi_node, out, lse, float(m.scale), causal, int(window),
                            masked_rows, backend, bias_grad), before=first_bwd)
             for idx, exit_node in grads.items():
                 gi = self.call(operator.getitem, (b, min(idx, 3)), before=first_bwd)
@@ -517,10 +554,11 @@ class _Rewrite:
                 exit_node.replace_all_uses_with(gi)
         self.ctx.kernel_choice(m.out.name, backend, self.reason,
                                causal=causal, window=window, gqa=_shape(q4)[1] != _shape(k4)[1],
-                               mask=mask is not None, bias=bias is not None, training=bool(grads))
+                               mask=mask is not None, bias=bias is not None, alibi=alibi_node is not None,
+                               training=bool(grads))
         return True
 
-    def _choose(self, q, k, v, mask, bias, bias_grad, causal, window, training) -> str:
+    def _choose(self, q, k, v, mask, bias, bias_grad, causal, window, training, alibi=False) -> str:
         qv, kv, vv = _val(q), _val(k), _val(v)
         dev = qv.device
         cap = (0, 0)
@@ -530,7 +568,7 @@ class _Rewrite:
             device=dev.type, capability=tuple(cap), dtype=str(qv.dtype).removeprefix("torch."),
             head_dim=int(qv.shape[-1]), head_dim_v=int(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
             heads_q=int(qv.shape[1]), heads_kv=int(kv.shape[1]), causal=causal, window=window,
-            has_mask=mask is not None, has_bias=bias is not None, bias_grad=bias_grad, alibi=False,
+            has_mask=mask is not None, has_bias=bias is not None, bias_grad=bias_grad, alibi=alibi,
             training=training)
         c = choose(p, self.opts.attention_backend, self.opts.attention_order)
         self.reason = c.reason
@@ -584,8 +622,13 @@ def _seq(n: fx.Node) -> Any:
 
 def _backward_region(graph: fx.Graph, region: set, inputs: list) -> set:
     """Backward nodes that differentiate forward nodes of ``region`` (by AOT's ``seq_nr``)."""
-    seqs = {_seq(n) for n in region if _seq(n) is not None and isinstance(_val(n), torch.Tensor)
+    on_path: set = set(inputs)  # region nodes that depend on q / k / v / bias (mask-only nodes do not)
+    for n in sorted(region, key=_topo_index(graph)):
+        if any(a in on_path for a in n.all_input_nodes):
+            on_path.add(n)
+    seqs = {_seq(n) for n in region if n in on_path and isinstance(_val(n), torch.Tensor)
             and _val(n).is_floating_point()}
+    seqs.discard(None)
     bwd = {n for n in graph.nodes if n.op == "call_function" and _is_bwd(n) and _seq(n) in seqs}
     # accumulation/helper nodes without a seq_nr whose inputs all come from the region
     changed = True

@@ -1,0 +1,199 @@
+"""GPU attention benchmark: enn vs eager vs inductor vs the best direct call, side by side.
+
+bf16, B4 H16 D64, T in {1024, 4096}, forward and forward+backward, for
+  causal  : hand-written tril + masked_fill(-inf) + softmax      (direct: SDPA is_causal)
+  alibi   : causal + ALiBi bias from per-head slopes, hand-written (direct: flex score_mod + block_mask)
+Correctness of every variant against an fp64 reference (T=1024 only: the fp64 reference is
+quadratic), peak memory, and SDPA cuDNN vs flash on the causal problem.
+
+Run:  python bench/gpu_attention.py          (prints a table; writes $OUT/attention.json if OUT is set)
+Budget: under 6 minutes on an H100/H200.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+B, H, D = 4, 16, 64
+TS = (1024, 4096)
+DT = torch.bfloat16
+
+
+def causal(q, k, v):
+    t = q.size(-2)
+    mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=q.device))
+    att = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    att = att.masked_fill(~mask, float("-inf"))
+    return F.softmax(att.float(), dim=-1).to(q.dtype) @ v
+
+
+def alibi(q, k, v, slopes):
+    t = q.size(-2)
+    pos = torch.arange(t, device=q.device)
+    rel = (pos[None, :] - pos[:, None]).to(q.dtype)
+    mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=q.device))
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1))) + slopes.view(1, -1, 1, 1) * rel
+    att = att.masked_fill(~mask, float("-inf"))
+    return F.softmax(att.float(), dim=-1).to(q.dtype) @ v
+
+
+def sdpa_causal(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def make_flex_alibi():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    cache = {}
+
+    def run(q, k, v, slopes):
+        t = q.size(-2)
+        if t not in cache:
+            cache[t] = create_block_mask(lambda b, h, i, j: i >= j, None, None, t, t, device=q.device)
+
+        def score_mod(s, b, h, i, j):
+            return s + slopes[h] * (j - i)
+
+        return flex(q, k, v, score_mod=score_mod, block_mask=cache[t])
+
+    return run
+
+
+def bench(fn, args, backward: bool, reps: int = 20) -> tuple[float, float]:
+    """(median ms, peak MiB above the inputs)."""
+    from triton.testing import do_bench
+
+    def step():
+        out = fn(*args)
+        if backward:
+            out.backward(torch.ones_like(out))
+        return out
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    ms = do_bench(step, warmup=5, rep=reps * 10 if False else 100, return_mode="median")
+    return ms, peak
+
+
+def rmse(a, b):
+    return (a.double() - b.double()).pow(2).mean().sqrt().item()
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
+    import enn_backend
+
+    t_start = time.time()
+    torch.manual_seed(0)
+    cap = torch.cuda.get_device_capability()
+    results = {"device": torch.cuda.get_device_name(), "capability": cap, "torch": torch.__version__, "rows": []}
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda", dtype=DT)
+    flex_alibi = make_flex_alibi()
+    variants = {
+        "causal": {
+            "eager": causal,
+            "inductor": torch.compile(causal, backend="inductor"),
+            "enn": torch.compile(causal, backend="enn"),
+            "direct sdpa is_causal": sdpa_causal,
+        },
+        "alibi": {
+            "eager": alibi,
+            "inductor": torch.compile(alibi, backend="inductor"),
+            "enn": torch.compile(alibi, backend="enn"),
+            "direct flex score_mod": flex_alibi,
+        },
+    }
+    for t in TS:
+        g = torch.Generator(device="cuda").manual_seed(t)
+        q, k, v = (torch.randn(B, H, t, D, device="cuda", dtype=DT, generator=g) for _ in range(3))
+        for problem, fns in variants.items():
+            extra = (slopes,) if problem == "alibi" else ()
+            ref = None
+            if t <= 1024:
+                ref = (causal if problem == "causal" else alibi)(q.double(), k.double(), v.double(),
+                                                                  *(s.double() for s in extra))
+            for backward in (False, True):
+                for name, fn in fns.items():
+                    args = [x.detach().requires_grad_(backward) for x in (q, k, v)] + list(extra)
+                    row = {"problem": problem, "T": t, "pass": "fwd+bwd" if backward else "fwd", "impl": name}
+                    try:
+                        with torch.no_grad() if not backward else torch.enable_grad():
+                            out = fn(*args)
+                        if ref is not None:
+                            row["rmse_vs_fp64"] = rmse(out, ref)
+                            row["rmse_eager_vs_fp64"] = rmse((causal if problem == "causal" else alibi)(q, k, v, *extra), ref)
+                        if backward:
+                            row["ms"], row["peak_mib"] = bench(fn, args, True)
+                        else:
+                            with torch.no_grad():
+                                row["ms"], row["peak_mib"] = bench(fn, args, False)
+                    except Exception as exc:  # noqa: BLE001 - report and go on
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    results["rows"].append(row)
+                    print(json.dumps(row), flush=True)
+        # cuDNN vs flash on the causal problem (the policy prefers the faster; see attention_policy.py)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+            for backward in (False, True):
+                args = [x.detach().requires_grad_(backward) for x in (q, k, v)]
+                row = {"problem": "causal", "T": t, "pass": "fwd+bwd" if backward else "fwd", "impl": f"sdpa {be.name}"}
+                try:
+                    with sdpa_kernel([be]):
+                        row["ms"], row["peak_mib"] = bench(sdpa_causal, args, backward)
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                results["rows"].append(row)
+                print(json.dumps(row), flush=True)
+    results["enn_report"] = enn_backend.report().to_dict()
+    results["wall_s"] = time.time() - t_start
+    # goals
+    def ms(problem, t, p, impl):
+        r = [x for x in results["rows"] if (x["problem"], x["T"], x["pass"], x["impl"]) == (problem, t, p, impl)]
+        return r[0].get("ms") if r else None
+
+    goals = []
+    for t in TS:
+        for p in ("fwd", "fwd+bwd"):
+            e, s = ms("causal", t, p, "enn"), ms("causal", t, p, "direct sdpa is_causal")
+            goals.append({"goal": f"causal T{t} {p}: enn <= 1.15x sdpa is_causal", "ratio": e / s if e and s else None,
+                          "met": bool(e and s and e <= 1.15 * s)})
+            e, f = ms("alibi", t, p, "enn"), ms("alibi", t, p, "direct flex score_mod")
+            goals.append({"goal": f"alibi T{t} {p}: enn <= flex score_mod", "ratio": e / f if e and f else None,
+                          "met": bool(e and f and e <= f)})
+    results["goals"] = goals
+    print(f"\n{'problem':<8} {'T':>5} {'pass':<8} {'impl':<24} {'ms':>8} {'peakMiB':>8} {'rmse':>9}")
+    for r in results["rows"]:
+        print(f"{r['problem']:<8} {r['T']:>5} {r['pass']:<8} {r['impl']:<24} {r.get('ms', float('nan')):>8.3f} "
+              f"{r.get('peak_mib', float('nan')):>8.1f} {r.get('rmse_vs_fp64', float('nan')):>9.2e} {r.get('error', '')}")
+    for gl in goals:
+        print(f"{'MET ' if gl['met'] else 'MISS'} {gl['goal']}: ratio {gl['ratio']}")
+    print("fusions:", results["enn_report"]["fusions"])
+    for gr in results["enn_report"]["graphs"]:
+        for c in gr["kernel_choices"]:
+            print("  kernel", c)
+    out = os.environ.get("OUT")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "attention.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
