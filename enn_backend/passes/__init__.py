@@ -86,11 +86,12 @@ def registered_passes() -> list[type[EnnPass]]:
     - epilogue before precision: it matches addmm + activation as Inductor emits them.
     - precision last: it promotes whatever low-precision reductions remain.
     """
+    from .attention import AttentionPass
     from .epilogue import EpiloguePass
     from .fp32_tail import Fp32TailPass
     from .precision import PrecisionPass
 
-    return [EpiloguePass, PrecisionPass, Fp32TailPass]
+    return [AttentionPass, EpiloguePass, PrecisionPass, Fp32TailPass]
 
 
 def enn_source_files() -> list[str]:
