@@ -384,3 +384,30 @@ attention.register_autograd(_backward, setup_context=_setup_context)
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def OPCHECK_SAMPLES() -> dict:
+    """Samples for tests/test_opcheck.py: both ops, fp32 and bf16, optional tensors present and
+    absent, grouped-query K/V, and inputs that require grad (the op has an autograd formula)."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.float32, grad=False):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+
+    b, h, hkv, tt, d = 2, 4, 2, 6, 8
+    keep = torch.rand(b, 1, 1, tt, generator=g) > 0.3
+    slopes = torch.rand(h, generator=g)
+    fwd = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for backend in ("explicit", "cpu_flash"):
+            grad = dtype == torch.float32
+            q, k, v = t(b, h, tt, d, dtype=dtype, grad=grad), t(b, hkv, tt, d, dtype=dtype, grad=grad), t(b, hkv, tt, d, dtype=dtype, grad=grad)
+            fwd.append(((q, k, v, None, None, None, 0.35, True, 0, 0.0, "eager", backend), {}))
+            fwd.append(((q, k, v, t(1, h, tt, tt, dtype=dtype, grad=grad), keep, None, 0.35, False, 0, 0.0, "zero", backend), {}))
+            fwd.append(((q, k, v, None, None, slopes, 0.35, True, 3, 0.0, "eager", backend), {}))
+    q, k, v = t(b, h, tt, d), t(b, hkv, tt, d), t(b, hkv, tt, d)
+    bias = t(1, h, tt, tt)
+    out, lse = attention(q, k, v, bias, keep, None, 0.35, False, 0, 0.0, "eager", "explicit")
+    bwd = [((t(b, h, tt, d), q, k, v, bias, keep, None, out, lse, 0.35, False, 0, "eager", "explicit", True), {}),
+           ((t(b, h, tt, d), q, k, v, None, None, None, out, lse, 0.35, True, 0, "eager", "cpu_flash", False), {})]
+    return {"enn::attention": fwd, "enn::attention_backward": bwd}
