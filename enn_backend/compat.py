@@ -165,9 +165,10 @@ def trace_structured_artifact(name: str, payload_fn: Callable[[], str]) -> None:
 
 
 def make_fx(fn: Callable[..., Any], tracing_mode: str = "fake") -> Callable[..., torch.fx.GraphModule]:
+    """ATen-level tracing; real tensor constants of the module (get_attr) are allowed."""
     from torch.fx.experimental.proxy_tensor import make_fx as _make_fx
 
-    return _make_fx(fn, tracing_mode=tracing_mode)
+    return _make_fx(fn, tracing_mode=tracing_mode, _allow_non_fake_inputs=True)
 
 
 def fx_minifier(gm: torch.fx.GraphModule, inputs: list, module_fails: Callable[..., bool], **kwargs: Any) -> Any:

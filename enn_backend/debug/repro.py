@@ -11,6 +11,7 @@ default ``./enn_repros``), one folder per fault::
         inputs.pt    the real inputs of the faulting call (torch.save; loaded with
                      weights_only=True). Left out above MAX_SAVED_BYTES: the script
                      then regenerates inputs from the metadata it carries.
+        constants.pt the graph's tensor constants (get_attr), when it has any
         fault.json   what happened: graph, phase, kind, message, blamed nodes, versions
 
 Nothing here or in the script uses pickle beyond ``torch.save``/``torch.load(weights_only=True)``.
@@ -192,7 +193,7 @@ ENN_* environment variables override OPTIONS (e.g. ENN_EPILOGUE=0 python repro.p
     parts.append("HERE = os.path.dirname(os.path.abspath(__file__))\n\n")
     parts.append(classes + "\n")
     parts.append("def make_module():\n"
-                 "    return load_constants(Repro(), os.path.join(HERE, 'inputs.pt'), CONSTANTS)\n\n")
+                 "    return load_constants(Repro(), os.path.join(HERE, 'constants.pt'), CONSTANTS)\n\n")
     if inline:
         parts.append(inline_inputs_source(inputs) + "\n")
     else:
@@ -214,12 +215,12 @@ def write_repro_dir(folder: str, gm: fx.GraphModule, inputs: Sequence[Any], *, p
     inputs = [_as_saved(x) for x in inputs]
     source, constants = script_source(gm, inputs, phase=phase, options=options, expect=expect, title=title)
     os.makedirs(folder, exist_ok=True)
-    nbytes = sum(t.numel() * t.element_size() for t in [*inputs, *constants.values()] if isinstance(t, torch.Tensor))
+    nbytes = sum(t.numel() * t.element_size() for t in inputs if isinstance(t, torch.Tensor))
     saved = nbytes <= MAX_SAVED_BYTES
     if saved:
-        tmp = os.path.join(folder, ".inputs.pt.tmp")
-        torch.save({"inputs": inputs, "constants": constants}, tmp)
-        os.replace(tmp, os.path.join(folder, "inputs.pt"))
+        _save(os.path.join(folder, "inputs.pt"), {"inputs": inputs})
+    if constants:  # part of the graph itself: always saved
+        _save(os.path.join(folder, "constants.pt"), {"constants": constants})
     record = {
         "format": "enn-repro", "version": 1, "phase": phase, "options": options, **expect,
         "inputs": "inputs.pt" if saved else f"regenerated from metadata ({nbytes} bytes is over {MAX_SAVED_BYTES})",
@@ -229,6 +230,12 @@ def write_repro_dir(folder: str, gm: fx.GraphModule, inputs: Sequence[Any], *, p
     path = os.path.join(folder, "repro.py")
     atomic_write_text(path, source)
     return path
+
+
+def _save(path: str, obj: Any) -> None:
+    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
 
 
 def unique_folder(root: str, name: str) -> str:

@@ -1,0 +1,170 @@
+"""Repro folders, their replay check, the report CLI and the minifier (in-process, tiny graphs)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend import compat
+from enn_backend.debug import repro as R
+from enn_backend.debug.cli import minify_main, report_main
+from enn_backend.debug.minify import load_script, minify
+from enn_backend.debug.replay import EXIT_FAULT, EXIT_OK, EXIT_UNDECIDED, check, compare, run_repro
+
+FAULT = "aten.addmm:nan:fwd"
+
+
+@pytest.fixture(scope="module")
+def guarded_run(tmp_path_factory):
+    """One enn compile with an injected NaN: the guard blames addmm and writes a repro."""
+    torch._dynamo.reset()
+    enn_backend.reset()
+    repro_dir = tmp_path_factory.mktemp("repros")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    opts = {"fault_inject": FAULT, "repro_dir": str(repro_dir), "persist": False}
+    with torch.no_grad():
+        out = torch.compile(m, backend="enn", options=opts)(x)
+        expected = m(x)
+    data = enn_backend.report().to_dict()
+    paths = [e["repro"] for g in data["graphs"] for e in g["events"] if "repro" in e]
+    return {"out": out, "expected": expected, "report": data, "paths": paths}
+
+
+def test_guard_writes_one_repro_folder(guarded_run):
+    torch.testing.assert_close(guarded_run["out"], guarded_run["expected"])
+    assert len(guarded_run["paths"]) == 1
+    path = guarded_run["paths"][0]
+    folder = os.path.dirname(path)
+    assert os.path.basename(folder) == "g0-inference-nonfinite-addmm"
+    assert sorted(os.listdir(folder)) == ["fault.json", "inputs.pt", "repro.py"]
+    info = json.load(open(os.path.join(folder, "fault.json")))
+    assert info["kind"] == "nonfinite" and info["phase"] == "inference" and info["nodes"] == ["addmm", "addmm_1"]
+    assert info["options"] == {"fault_inject": FAULT}
+    saved = torch.load(os.path.join(folder, "inputs.pt"), weights_only=True)
+    assert len(saved["inputs"]) == 5 and all(isinstance(t, torch.Tensor) for t in saved["inputs"])
+
+
+def test_repro_reproduces_and_not_without_the_fault(guarded_run, capsys):
+    script = load_script(guarded_run["paths"][0])
+    module, inputs = script.make_module(), script.make_inputs()
+    assert run_repro(module, inputs, phase=script.PHASE, options=script.OPTIONS, expect=script.EXPECT) == EXIT_FAULT
+    out = capsys.readouterr().out
+    assert "FAULT REPRODUCES (nonfinite)" in out and "where eager is finite" in out
+    # Same graph and inputs without the injected fault: enn's fast path agrees with eager.
+    assert run_repro(module, inputs, phase=script.PHASE, options={}) == EXIT_OK
+
+
+def test_minify_isolates_the_blamed_node(guarded_run, tmp_path):
+    res = minify(os.path.dirname(guarded_run["paths"][0]), out=str(tmp_path / "mini"))
+    assert res.kind == "nonfinite" and res.nodes_after == 1 and res.checks == 1
+    mini = load_script(res.path)
+    assert mini.EXPECT["nodes"] == ["addmm"]
+    assert check(mini.make_module(), mini.make_inputs(), phase=mini.PHASE, options=mini.OPTIONS).kind == "nonfinite"
+
+
+def test_report_cli(guarded_run, tmp_path, capsys):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(guarded_run["report"]))
+    assert report_main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "[nonfinite]" in out and "node=addmm,addmm_1" in out
+    assert guarded_run["paths"][0] in out
+    assert report_main([str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "enn-report"
+    (tmp_path / "other.json").write_text('{"format": "something-else"}')
+    assert report_main([str(tmp_path / "other.json")]) == 2
+    assert report_main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_report_save_round_trip(guarded_run, tmp_path):
+    enn_backend.report().save(str(tmp_path / "r.json"))
+    assert json.load(open(tmp_path / "r.json"))["format"] == "enn-report"
+
+
+class _SymModule(torch.nn.Module):
+    def forward(self, x, s0, w):
+        v = torch.ops.aten.view.default(x, [s0, -1])
+        return (torch.ops.aten.mm.default(v, w).relu() + self.bias,)
+
+
+def test_symbolic_sizes_constants_and_regenerated_inputs(tmp_path, monkeypatch):
+    mod = _SymModule()
+    mod.register_buffer("bias", torch.arange(3.0))
+    inputs = [torch.randn(4, 6), 2, torch.randn(12, 3)]
+    gm = compat.make_fx(mod, tracing_mode="symbolic")(*inputs)
+    assert any(isinstance(n.meta.get("val"), torch.SymInt) for n in gm.graph.nodes if n.op == "placeholder")
+    source, constants = R.graph_source(gm)
+    assert constants and "class Repro(torch.nn.Module)" in source
+    monkeypatch.setattr(R, "MAX_SAVED_BYTES", 0)  # too large: inputs are regenerated from metadata
+    path = R.write_repro_dir(str(tmp_path / "sym"), gm, inputs, phase="forward",
+                             options={"fault_inject": "aten.mm:nan:fwd"}, expect={"kind": "nonfinite"}, title="t")
+    assert not os.path.exists(tmp_path / "sym" / "inputs.pt")
+    assert "regenerated" in json.load(open(tmp_path / "sym" / "fault.json"))["inputs"]
+    script = load_script(path)
+    regen = script.make_inputs()
+    assert regen[1] == 2 and regen[0].shape == (4, 6) and regen[2].stride() == (3, 1)
+    module = script.make_module()
+    (name,) = script.CONSTANTS  # the constant travels in constants.pt even when inputs do not
+    assert torch.equal(getattr(module, name), torch.arange(3.0))
+    assert check(module, regen, phase="forward", options=script.OPTIONS).kind == "nonfinite"
+    assert check(module, regen, phase="forward", options={}).kind == "ok"
+
+
+def test_compare_uses_the_fp64_reference():
+    e = torch.tensor([1.0, 2.0, 3.0])
+    ref = [e.double() + 1e-3]
+    # compiled differs from eager but is as close to fp64 as eager is: accepted
+    assert compare([e + 2e-3], [e], lambda: ref).kind == "ok"
+    # compiled far from fp64, eager close: an accuracy fault
+    assert compare([e + 0.5], [e], lambda: ref).kind == "accuracy"
+    # NaN where eager is finite
+    bad = e.clone()
+    bad[1] = float("nan")
+    v = compare([bad], [e], lambda: None)
+    assert v.kind == "nonfinite" and "1/3 non-finite (1 NaN)" in v.details[0]
+    # the same NaN in both is not enn's fault
+    assert compare([bad], [bad.clone()], lambda: None).kind == "ok"
+
+
+def test_undecided_when_eager_fails(capsys):
+    class Bad(torch.nn.Module):
+        def forward(self, x):
+            return (torch.ops.aten.mm.default(x, x),)  # 2x3 @ 2x3: eager raises
+
+    assert run_repro(Bad(), [torch.randn(2, 3)], phase="forward", options={}) == EXIT_UNDECIDED
+    assert "UNDECIDED" in capsys.readouterr().out
+
+
+class _Chain(torch.nn.Module):
+    def forward(self, x, w):
+        a = torch.ops.aten.mm.default(x, w)
+        b = torch.ops.aten.sin.default(a)
+        c = torch.ops.aten.exp.default(b)
+        d = torch.ops.aten.mul.Tensor(c, 2.0)
+        return (torch.ops.aten.sum.default(d),)
+
+
+def test_minify_with_torch_minifier(tmp_path, capsys):
+    """No blamed nodes recorded: torch's FX minifier shrinks the graph with enn's check."""
+    inputs = [torch.randn(3, 4), torch.randn(4, 5)]
+    gm = compat.make_fx(_Chain())(*inputs)
+    path = R.write_repro_dir(str(tmp_path / "chain"), gm, inputs, phase="inference",
+                             options={"fault_inject": "aten.exp:nan:fwd"}, expect={}, title="chain")
+    assert minify_main([path]) == 0
+    mini = load_script(str(tmp_path / "chain" / "minified"))
+    assert mini.EXPECT["kind"] == "nonfinite" and "exp" in mini.EXPECT["nodes"] and len(mini.EXPECT["nodes"]) <= 2
+    assert "reproduces with" in capsys.readouterr().out
+
+
+def test_minify_refuses_a_repro_that_does_not_fail(tmp_path, capsys):
+    inputs = [torch.randn(3, 4), torch.randn(4, 5)]
+    gm = compat.make_fx(_Chain())(*inputs)
+    path = R.write_repro_dir(str(tmp_path / "ok"), gm, inputs, phase="inference", options={}, expect={}, title="ok")
+    assert minify_main([path]) == 2
+    assert "does not fail" in capsys.readouterr().err
