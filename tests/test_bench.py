@@ -187,6 +187,7 @@ def test_runner_produces_valid_json(tiny_result):
         assert w["speedup_enn_vs_inductor"] > 0
         assert w["accuracy_enn_no_worse"]["passed"]
         assert set(w["profile"]) == {"inductor", "enn"} and w["profile"]["enn"]["top"]
+        assert w["profile"]["inductor"]["calls"]  # operators per step: the evidence of what differs
     s = data["summary"]
     assert s["geomean_enn_vs_inductor"]["train"] == pytest.approx(data["workloads"][0]["speedup_enn_vs_inductor"])
     assert s["goals"] and s["goals"][0]["goal"].startswith("CPU")
@@ -223,6 +224,9 @@ def test_summary_says_by_how_much_a_goal_is_missed():
     assert not goals["worst enn / inductor cold compile time"]["met"]
     assert "above 1.3" in goals["worst enn / inductor cold compile time"]["miss"]
     assert plots.geomean([]) is None and plots.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    prof = {"enn": {"calls": {"aten::abs": 2.0, "aten::addmm": 4.0, "## Call CompiledFxGraph x ##": 1.0}},
+            "inductor": {"calls": {"aten::addmm": 4.0, "aten::mm": 1.0}}}
+    assert plots.call_differences(prof) == [("aten::abs", 2.0), ("aten::mm", -1.0)]
 
 
 def test_without_matplotlib_and_tqdm(monkeypatch, tmp_path, capsys):

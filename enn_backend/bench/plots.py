@@ -243,6 +243,10 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
                   "Top operators by self time per step (torch.profiler; device time on GPU, CPU time on CPU)."]
         for w in prof:
             lines += ["", f"### {_label(w)}: enn / inductor {w['speedup_enn_vs_inductor']:.3f}", ""]
+            diff = call_differences(w["profile"])
+            if diff:
+                lines += ["Operators enn runs more (+) or less (-) often than inductor, per step: "
+                          + ", ".join(f"`{n}` {d:+g}" for n, d in diff[:12]) + ".", ""]
             for b in ("inductor", "enn"):
                 p = w["profile"].get(b, {})
                 lines.append(f"{b}: {p.get('total_ms_per_step', 0):.3f} ms/step of {p.get('clock')} self time")
@@ -254,6 +258,20 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
     if files:
         lines += ["", "## Files", ""] + [f"- `{os.path.basename(v)}`: {k}" for k, v in files.items()]
     return "\n".join(lines) + "\n"
+
+
+def call_differences(profile: dict[str, Any]) -> list[tuple[str, float]]:
+    """(operator, enn calls - inductor calls) per step, largest first; compiled-graph names left out."""
+    a = (profile.get("enn") or {}).get("calls") or {}
+    b = (profile.get("inductor") or {}).get("calls") or {}
+    diff = []
+    for name in set(a) | set(b):
+        if name.startswith(("## Call CompiledFxGraph", "Torch-Compiled Region", "CompiledFunction")):
+            continue
+        d = a.get(name, 0.0) - b.get(name, 0.0)
+        if abs(d) > 1e-9:
+            diff.append((name, round(d, 2)))
+    return sorted(diff, key=lambda x: (-abs(x[1]), x[0]))
 
 
 # ================================================================ PNG plots
@@ -286,6 +304,7 @@ def write_plots(result: dict[str, Any], out_dir: str, stem: str) -> tuple[dict[s
         colors = ["tab:green" if x >= 1.0 else ("tab:orange" if x >= 0.97 else "tab:red") for x in sp]
         ax.barh(labels, sp, color=colors)
         ax.axvline(1.0, color="black", lw=0.8)
+        ax.axvline(0.97, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("speedup of enn over inductor (step time ratio, >1 = enn faster)")
         ax.set_title(f"enn vs inductor step time ({title_dev})")
         ax.invert_yaxis()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import math
 import os
 import platform
@@ -169,6 +170,30 @@ def cache_dir(path: str):
         compat.clear_inductor_memory_caches()
 
 
+def enn_entry_point_installed() -> bool:
+    """Is ``backend="enn"`` resolvable through the installed entry point (``pip install -e .``)?"""
+    from importlib.metadata import entry_points
+
+    return any(ep.name == "enn" for ep in entry_points(group="torch_dynamo_backends"))
+
+
+def _compile(model: torch.nn.Module, kwargs: dict[str, Any]) -> Callable:
+    """``torch.compile`` with a backend of :data:`BACKENDS`.
+
+    enn goes through its entry point (``backend="enn"``, what users write); in a source
+    tree that was never pip-installed the same function is passed directly.
+    """
+    kwargs = dict(kwargs)
+    if kwargs["backend"] == "enn" and not _ENN_BY_NAME[0]:
+        from enn_backend.backend import enn
+
+        kwargs["backend"] = enn
+    return torch.compile(model, **kwargs)
+
+
+_ENN_BY_NAME = [True]
+
+
 def _graph_count() -> int:
     return int(compat.dynamo_counters["stats"].get("unique_graphs", 0))
 
@@ -285,11 +310,12 @@ def _peak_mem_mb(fn: Callable[[], Any], device: str) -> float | None:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _profile(fns: dict[str, Callable[[], Any]], device: str, steps: int = 3, top: int = 8) -> dict[str, Any]:
-    """Top operators/kernels by self time per step, for each callable."""
+def _profile(fns: dict[str, Callable[[], Any]], device: str, steps: int = 0, top: int = 8) -> dict[str, Any]:
+    """Top operators/kernels by self time per step, and calls per step of every operator, per callable."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
+    steps = steps or (5 if cuda else 10)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     out: dict[str, Any] = {}
     for name, fn in fns.items():
@@ -305,11 +331,12 @@ def _profile(fns: dict[str, Callable[[], Any]], device: str, steps: int = 3, top
             if dev_t is None:
                 dev_t = getattr(ev, "self_cuda_time_total", 0.0)
             t = dev_t if cuda else ev.self_cpu_time_total
-            if t > 0:
-                rows.append({"name": ev.key[:90], "calls_per_step": ev.count / steps, "self_ms_per_step": t / 1e3 / steps})
+            rows.append({"name": ev.key[:90], "calls_per_step": ev.count / steps, "self_ms_per_step": t / 1e3 / steps})
         rows.sort(key=lambda r: -r["self_ms_per_step"])
-        out[name] = {"clock": "device" if cuda else "cpu", "total_ms_per_step": sum(r["self_ms_per_step"] for r in rows),
-                     "top": rows[:top]}
+        out[name] = {"clock": "device" if cuda else "cpu", "steps": steps,
+                     "total_ms_per_step": sum(r["self_ms_per_step"] for r in rows),
+                     "top": [r for r in rows if r["self_ms_per_step"] > 0][:top],
+                     "calls": {r["name"]: r["calls_per_step"] for r in rows[:80]}}
     return out
 
 
@@ -319,6 +346,9 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     autocast = _autocast(device, dtype)
     tol = accuracy.tolerance(mode, dtype)
     torch.compiler.reset()
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the last workload's blocks must not count in this one's peak memory
     base, make_inputs, loss_fn = zoo.build(name, cfg.size, device=device, seed=0)
     base.train(mode == "train")
     batch = make_inputs(0)
@@ -362,7 +392,7 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
                 units0 = _enn_units()
                 g0 = _graph_count()
                 with cache_dir(os.path.join(cache_root, f"{name}-{mode}-{dtype}-{b}")):
-                    fn = torch.compile(m, **kwargs)
+                    fn = _compile(m, kwargs)
                     _sync(device)
                     t0 = time.perf_counter()
                     out = _result_step(fn, m, batch, loss_fn, mode, autocast)
@@ -427,7 +457,7 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
             m = copy.deepcopy(base)
             try:
                 with cache_dir(os.path.join(cache_root, f"{name}-{mode}-{dtype}-{b}")):
-                    fn = torch.compile(m, **BACKENDS[b])
+                    fn = _compile(m, BACKENDS[b])
                     _sync(device)
                     t0 = time.perf_counter()
                     _result_step(fn, m, batch, loss_fn, mode, autocast)
@@ -519,6 +549,11 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
                                        and k not in ("ENN_CACHE_DIR", "ENN_REPRO_DIR", "TORCHINDUCTOR_CACHE_DIR")},
         "workloads": [], "skipped": [],
     }
+    _ENN_BY_NAME[0] = enn_entry_point_installed()
+    result["enn_backend_by"] = "entry point (backend='enn')" if _ENN_BY_NAME[0] else "function (package not pip-installed)"
+    if not _ENN_BY_NAME[0]:
+        print("enn bench: the 'enn' entry point is not installed (pip install -e .); passing enn's backend function directly",
+              file=sys.stderr)
     progress = Progress(len(work))
     old_threads = torch.get_num_threads()
     if cfg.threads:
