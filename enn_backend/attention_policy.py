@@ -5,7 +5,8 @@ The attention pass describes each match as an :class:`AttentionProblem` and asks
 
 - ``flash`` / ``cudnn`` / ``efficient`` / ``math``: SDPA on CUDA with that backend forced;
 - ``flex``: FlexAttention (compiled), for causal / window / ALiBi structure with no mask tensor;
-- ``cpu_flash``: ATen's CPU flash kernel; ``explicit``: enn's own fp32 math (always possible).
+- ``cpu_flash``: ATen's CPU flash kernel; ``explicit``: enn's own fp32 math (always possible);
+- ``inductor``: do not fuse (tiny CPU problems, default order only).
 
 Preference: ``attention_backend`` (ENN_ATTENTION_BACKEND) forces one; ``attention_order``
 (ENN_ATTENTION_ORDER) sets the order; else the default order for the device. A forced choice
@@ -154,6 +155,18 @@ def check_flex(p: AttentionProblem) -> tuple[bool, str]:
     return True, "FlexAttention: structure as score_mod / block_mask, no quadratic tensor"
 
 
+# Below this many scores per head on CPU, the custom op's per-call cost (~30 us through the Python
+# dispatcher, measured on the 2-core CI box, noisy) outweighs what ATen's kernel saves over
+# Inductor's own fused C++ softmax: the policy leaves such attention to Inductor ("inductor").
+CPU_MIN_SCORES = 64 * 64
+
+
+def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
+    if p.device == "cpu" and p.tq * p.tk < CPU_MIN_SCORES and not p.bias_grad:
+        return True, f"CPU, {p.tq}x{p.tk} scores: Inductor's own fused code is cheaper than a kernel call"
+    return False, "only for tiny CPU problems"
+
+
 CHECKERS: dict[str, Checker] = {
     "cudnn": check_cudnn,
     "flash": check_flash,
@@ -162,12 +175,13 @@ CHECKERS: dict[str, Checker] = {
     "flex": check_flex,
     "cpu_flash": check_cpu_flash,
     "explicit": check_explicit,
+    "inductor": check_inductor,  # leave the attention unfused (only via the default CPU order)
 }
 
 
 def default_order(p: AttentionProblem) -> tuple[str, ...]:
     if p.device == "cpu":
-        return DEFAULT_ORDER_CPU
+        return ("inductor",) + DEFAULT_ORDER_CPU
     if p.device == "cuda":
         order = DEFAULT_ORDER_HOPPER if p.capability >= (9, 0) else DEFAULT_ORDER_CUDA
         if p.alibi or p.window > 0:  # structure: flex avoids the T x T bias/mask tensor
@@ -201,6 +215,8 @@ def choose(p: AttentionProblem, backend: str = "auto", order: str = "") -> Choic
         for name in order.split(","):
             preferred += _expand(name.strip(), p)
     fallback = list(default_order(p)) + ["explicit"]
+    if preferred:  # a user who names kernels wants attention fused: never fall back to "unfused"
+        fallback = [f for f in fallback if f != "inductor"]
     failed = ""
     for i, name in enumerate(preferred + fallback):
         ok, why = CHECKERS[name](p)

@@ -17,6 +17,13 @@ from enn_backend.custom_ops import attention as A
 B, H, T, D = 2, 4, 8, 8
 
 
+@pytest.fixture(autouse=True)
+def _fuse_tiny(monkeypatch):
+    """The shapes here are tiny; by default the policy leaves tiny CPU attention to Inductor
+    (see test_tiny_cpu_attention_left_to_inductor). An explicit order makes enn fuse them."""
+    monkeypatch.setenv("ENN_ATTENTION_ORDER", "flash,explicit")
+
+
 def fused() -> int:
     return enn_backend.report().to_dict()["fusions"].get("attention", 0)
 
@@ -170,7 +177,7 @@ def as_pre_pass():
     from enn_backend.passes import PassManager
     from enn_backend.passes.attention import AttentionPass
 
-    return torch._inductor.config.patch(joint_custom_pre_pass=PassManager(Options(), "pre", "joint", [AttentionPass]))
+    return torch._inductor.config.patch(joint_custom_pre_pass=PassManager(Options.from_sources(), "pre", "joint", [AttentionPass]))
 
 
 def test_additive_padding_mask_as_pre_pass():
@@ -404,13 +411,14 @@ def test_policy_choices():
     assert choose(problem(alibi=True)).backend == "flex"
     assert choose(problem(order := None) if False else problem(), order="flash,cudnn").backend == "flash"
     assert choose(problem(device="cpu", capability=(0, 0))).backend == "cpu_flash"
+    assert choose(problem(device="cpu", capability=(0, 0), tq=8, tk=8)).backend == "inductor"
     assert choose(problem(device="cpu", capability=(0, 0), bias_grad=True, has_bias=True)).backend == "explicit"
     forced = choose(problem(device="cpu", capability=(0, 0)), backend="cudnn")
     assert forced.backend == "cpu_flash" and "cudnn impossible" in forced.forced_failed
 
 
 def test_forced_impossible_backend_is_recorded():
-    check(causal_tril, qkv(grad=False), train=False, options={"attention_backend": "flash", "attention_order": ""})
+    check(causal_tril, qkv(grad=False), train=False, options={"attention_backend": "flash"})
     check_choice = choices()[0]["choice"]
     assert check_choice == "cpu_flash"
     enn_backend.reset()
@@ -419,6 +427,12 @@ def test_forced_impossible_backend_is_recorded():
     kinds = [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]]
     assert "kernel_choice" in kinds
     assert choices()[0]["choice"] == "cpu_flash"
+
+
+def test_tiny_cpu_attention_left_to_inductor(monkeypatch):
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    check(causal_tril, qkv(grad=False), train=False, fusions=0)
+    assert choices()[0]["choice"] == "inductor" and choices()[0]["fused"] is False
 
 
 def test_explicit_backend_forced():

@@ -413,6 +413,7 @@ class _Rewrite:
     def __init__(self, graph: fx.Graph, m: Match, opts: Any, ctx: PassContext) -> None:
         self.g, self.m, self.opts, self.ctx = graph, m, opts, ctx
         self.mode = _fake_mode(graph)
+        self.created: list = []
 
     # -- node helpers
     def call(self, target: Any, args: tuple, kwargs: Optional[dict] = None, before: Optional[fx.Node] = None) -> fx.Node:
@@ -421,6 +422,7 @@ class _Rewrite:
         vals = fx.map_arg((args, kwargs or {}), _val)
         with self.mode:
             n.meta["val"] = target(*vals[0], **vals[1])
+        self.created.append(n)
         return n
 
     def run(self) -> bool:
@@ -525,6 +527,12 @@ class _Rewrite:
             alibi_node = self.call(aten.view.default, (alibi, [_shape(q4)[1]]), before=before)
         backend = self._choose(q4, k4, v4, mask, bias, bias_grad, causal, window, training and bool(grads),
                                alibi_node is not None)
+        if backend == "inductor":  # the policy leaves it to Inductor: undo the helper nodes
+            self.ctx.kernel_choice(m.out.name, "inductor", self.reason, fused=False)
+            for n in reversed(self.created):
+                if not n.users:
+                    self.g.erase_node(n)
+            return False
         masked_rows = "zero" if self.opts.masked_rows == "zero" else "eager"
         fwd = self.call(torch.ops.enn.attention.default,
                         (q4, k4, v4, bias, mask, alibi_node, float(m.scale), causal, int(window), 0.0, masked_rows, backend),
