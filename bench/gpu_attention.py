@@ -84,7 +84,7 @@ def bench(fn, args, backward: bool, reps: int = 20) -> tuple[float, float]:
     step()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    ms = do_bench(step, warmup=5, rep=reps * 10 if False else 100, return_mode="median")
+    ms = do_bench(step, warmup=5, rep=reps * 5, return_mode="median")
     return ms, peak
 
 
