@@ -268,3 +268,17 @@ def test_inference_and_training_steps_and_paired_ratio():
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     # per-round ratios: a noisy round that hits both backends does not move the result
     assert runner.paired_ratio([2.0, 20.0, 2.2], [1.0, 10.0, 1.0]) == pytest.approx(2.0)
+
+
+def test_enn_summary_counts_unit_level_fallbacks():
+    import enn_backend
+    from enn_backend.report import FallbackKind
+
+    before = runner._enn_units()
+    enn_backend.report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph="g97",
+                                      reason="test", action="compiling g97 with plain Inductor")
+    units = runner._enn_units() - before
+    assert units == {"g97"}
+    s = runner._enn_summary(units)
+    assert s["fallbacks"] == {"compile_error": 1} and "plain Inductor" in s["fallback_details"][0]
+    assert runner._enn_summary({"g98"})["fallbacks"] == {}

@@ -31,7 +31,7 @@ GPU_MODELS = ["gpt2_sdpa", "gpt2_naive", "llama", "bert", "alibi", "t5", "slidin
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(device="cpu", size="cpu-small", models=QUICK_MODELS, modes=["train", "infer"], dtypes=["fp32"],
-                  backends=["eager", "inductor", "enn"], rounds=9, sample_s=0.03, budget_s=250.0, threads=1),
+                  backends=["eager", "inductor", "enn"], rounds=9, sample_s=0.03, budget_s=230.0, threads=1),
     "cpu": dict(device="cpu", size="cpu-small", models=zoo.names(), modes=["train", "infer"], dtypes=["fp32", "bf16"],
                 backends=["eager", "inductor", "enn"], rounds=7, sample_s=0.1, budget_s=None),
     # gpu-real sizes use 2 layers (6 for gpt2_sdpa, the ANCHORS stack) so that 20 workloads x

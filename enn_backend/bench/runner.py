@@ -199,7 +199,10 @@ def _graph_count() -> int:
 
 
 def _enn_units() -> set[str]:
-    return {g.unit for g in enn_backend.report().graphs}
+    """Every unit (Dynamo graph) enn's report knows of: from its graphs and from its fallbacks
+    (a unit that fell back to plain Inductor as a whole has a fallback but no graph record)."""
+    rep = enn_backend.report()
+    return {g.unit for g in rep.graphs} | {f.graph.split("/")[0] for f in rep.fallbacks if f.graph}
 
 
 def _enn_summary(units: set[str]) -> dict[str, Any]:
