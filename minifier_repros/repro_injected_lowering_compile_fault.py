@@ -48,7 +48,7 @@ class Repro(torch.nn.Module):
 
 
 def make_module():
-    return load_constants(Repro(), os.path.join(HERE, 'inputs.pt'), CONSTANTS)
+    return load_constants(Repro(), os.path.join(HERE, 'constants.pt'), CONSTANTS)
 
 
 def make_inputs():
@@ -65,4 +65,4 @@ def test_injected_lowering_compile_fault():
 
 
 if __name__ == "__main__":
-    sys.exit(run_repro(make_module(), make_inputs(), phase=PHASE, options=OPTIONS, expect=EXPECT))
+    sys.exit(run_repro(make_module, make_inputs, phase=PHASE, options=OPTIONS, expect=EXPECT))

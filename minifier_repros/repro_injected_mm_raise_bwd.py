@@ -49,7 +49,7 @@ class Repro(torch.nn.Module):
 
 
 def make_module():
-    return load_constants(Repro(), os.path.join(HERE, 'inputs.pt'), CONSTANTS)
+    return load_constants(Repro(), os.path.join(HERE, 'constants.pt'), CONSTANTS)
 
 
 def make_inputs():
@@ -67,4 +67,4 @@ def test_injected_mm_raise_bwd():
 
 
 if __name__ == "__main__":
-    sys.exit(run_repro(make_module(), make_inputs(), phase=PHASE, options=OPTIONS, expect=EXPECT))
+    sys.exit(run_repro(make_module, make_inputs, phase=PHASE, options=OPTIONS, expect=EXPECT))

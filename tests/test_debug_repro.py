@@ -168,3 +168,24 @@ def test_minify_refuses_a_repro_that_does_not_fail(tmp_path, capsys):
     path = R.write_repro_dir(str(tmp_path / "ok"), gm, inputs, phase="inference", options={}, expect={}, title="ok")
     assert minify_main([path]) == 2
     assert "does not fail" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_repro_round_trip(tmp_path):
+    """A fault in a CUDA graph: the repro keeps the device, and reproduces (Triton kernels)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    opts = {"fault_inject": "aten.addmm:nan:fwd", "repro_dir": str(tmp_path), "persist": False}
+    with torch.no_grad():
+        out = torch.compile(m, backend="enn", options=opts)(x)
+        torch.testing.assert_close(out, m(x))
+    paths = [e["repro"] for g in enn_backend.report().graphs for e in g.events if "repro" in e]
+    assert paths
+    script = load_script(paths[0])
+    inputs = script.make_inputs()
+    assert all(t.is_cuda for t in inputs if isinstance(t, torch.Tensor))
+    assert check(script.make_module(), inputs, phase=script.PHASE, options=script.OPTIONS).kind == "nonfinite"
+    res = minify(os.path.dirname(paths[0]), out=str(tmp_path / "mini"))
+    assert res.nodes_after == 1

@@ -321,9 +321,28 @@ def check(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, opti
 
 
 # ----------------------------------------------------------------------------- the script's main
-def run_repro(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, options: dict[str, Any],
+def run_repro(module: Any, inputs: Any, *, phase: str, options: dict[str, Any],
               expect: dict[str, Any] | None = None) -> int:
-    """Run a repro and print what differs. Returns the exit code (1: the fault reproduces)."""
+    """Run a repro and print what differs. Returns the exit code (1: the fault reproduces).
+
+    ``module`` / ``inputs`` may be zero-argument functions that build them: a failure while
+    building them (a missing file, a bad ENN_* variable) is then "undecided" (exit 2), never
+    mistaken for the fault reproducing.
+    """
+    try:
+        return _run_repro(module() if _is_builder(module) else module,
+                          inputs() if callable(inputs) else inputs, phase=phase, options=options, expect=expect)
+    except Exception as exc:  # noqa: BLE001 - anything outside the checked run is not the fault
+        print(f"UNDECIDED: the repro could not run: {_one_line(exc)} (exit 2)")
+        return EXIT_UNDECIDED
+
+
+def _is_builder(obj: Any) -> bool:
+    return callable(obj) and not isinstance(obj, torch.nn.Module)
+
+
+def _run_repro(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, options: dict[str, Any],
+               expect: dict[str, Any] | None = None) -> int:
     expect = expect or {}
     shown = {k: v for k, v in options.items()}
     print(f"enn repro: {phase} graph, options {shown or '{}'}")

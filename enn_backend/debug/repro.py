@@ -204,7 +204,7 @@ ENN_* environment variables override OPTIONS (e.g. ENN_EPILOGUE=0 python repro.p
                      "    problems = guarded_problems(make_module(), make_inputs(), phase=PHASE, options=OPTIONS, expect=EXPECT)\n"
                      "    assert not problems, problems\n\n")
     parts.append('\nif __name__ == "__main__":\n'
-                 "    sys.exit(run_repro(make_module(), make_inputs(), phase=PHASE, options=OPTIONS, expect=EXPECT))\n")
+                 "    sys.exit(run_repro(make_module, make_inputs, phase=PHASE, options=OPTIONS, expect=EXPECT))\n")
     return "\n".join(parts), constants
 
 
