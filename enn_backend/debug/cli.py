@@ -73,6 +73,6 @@ def minify_main(argv: list[str]) -> int:
         print(f"enn minify: {exc}", file=sys.stderr)
         return 2
     print(f"enn minify: {res.kind} reproduces with {res.nodes_after} of {res.nodes_before} nodes "
-          f"({res.checks} checks, {res.seconds:.1f}s)")
+          f"({res.checks} check{'s' if res.checks != 1 else ''}, {res.seconds:.1f}s)")
     print(f"wrote {_shown(res.path)}")
     return 0
