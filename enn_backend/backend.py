@@ -75,6 +75,9 @@ def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str) -> Callable[..., Any]:
     patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
+    # joint_pre runs before Inductor's joint-graph passes (its fuse_attention would take
+    # attention patterns first, with other masked-row semantics); joint runs after them.
+    patches["joint_custom_pre_pass"] = PassManager(opts, unit, "joint_pre")
     patches["joint_custom_post_pass"] = PassManager(opts, unit, "joint")
     patches["post_grad_custom_post_pass"] = PassManager(opts, unit, "post_grad")
     if opts.emulate_precision_casts:

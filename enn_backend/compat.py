@@ -229,3 +229,16 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def size_hint(s: Any) -> int:
+    """A concrete example value for a size, WITHOUT installing a guard on it.
+
+    ``int(symint)`` specializes the compiled graph to that size (a recompile for every
+    new sequence length under ``dynamic=True``); the hint is the value seen at trace time.
+    Returns 0 for a symbolic size without a hint.
+    """
+    if isinstance(s, torch.SymInt):
+        hint = s.node.hint
+        return int(hint) if hint is not None else 0
+    return int(s)

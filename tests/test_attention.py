@@ -160,11 +160,7 @@ def bool_padding_neg_inf(q, k, v, keep):
     return torch.softmax(att, -1) @ v
 
 
-SFDP_FIRST = ("Inductor's own fuse_attention rewrites this pattern to SDPA before enn's joint post-pass "
-              "runs; enn sees it once its pass is installed as joint_custom_pre_pass (see test_*_as_pre_pass)")
 
-
-@pytest.mark.xfail(strict=True, reason=SFDP_FIRST)
 def test_additive_padding_mask():
     pad = torch.ones(B, T)
     pad[1, 5:] = 0
@@ -370,7 +366,7 @@ class Stack(nn.Module):
         return x
 
 
-@pytest.mark.parametrize("kind", ["gpt2", pytest.param("bert", marks=pytest.mark.xfail(strict=True, reason=SFDP_FIRST)),
+@pytest.mark.parametrize("kind", ["gpt2", "bert",
                                   "llama"])
 def test_hf_style_models(kind):
     torch.manual_seed(0)

@@ -63,7 +63,7 @@ class EnnPass:
 
     name: ClassVar[str] = ""
     option: ClassVar[str] = ""  # the Options field that switches the pass on/off
-    stage: ClassVar[str] = "joint"  # joint | post_grad
+    stage: ClassVar[str | tuple[str, ...]] = "joint"  # joint_pre | joint | post_grad, or several
 
     def __init__(self, opts: Options) -> None:
         self.opts = opts
@@ -82,9 +82,12 @@ def registered_passes() -> list[type[EnnPass]]:
     """All enn passes in run order.
 
     Ordering rules:
-    - attention first: it must see softmax/masked_fill before precision rewrites them.
+    - attention first, and in the joint *pre* stage: it must see softmax/masked_fill before
+      Inductor's own fuse_attention (which runs between the pre and post stages) takes the
+      patterns it knows, and before precision rewrites softmax.
     - epilogue before precision: it matches addmm + activation as Inductor emits them.
-    - precision last: it promotes whatever low-precision reductions remain.
+    - precision after the fusions: it promotes whatever low-precision reductions remain.
+    - fp32 tail last: it wraps the output tail the other passes left.
     """
     from .attention import AttentionPass
     from .epilogue import EpiloguePass
@@ -92,6 +95,10 @@ def registered_passes() -> list[type[EnnPass]]:
     from .precision import PrecisionPass
 
     return [AttentionPass, EpiloguePass, PrecisionPass, Fp32TailPass]
+
+
+def _stages(cls: type[EnnPass]) -> tuple[str, ...]:
+    return cls.stage if isinstance(cls.stage, tuple) else (cls.stage,)
 
 
 def enn_source_files() -> list[str]:
@@ -125,10 +132,14 @@ class PassManager(compat.CustomGraphPass):
         self.unit = unit
         self.stage = stage
         classes = registered_passes() if passes is None else passes
-        self.passes = [cls(opts) for cls in classes if cls.stage == stage and getattr(opts, cls.option, True)]
+        self.passes = [cls(opts) for cls in classes if stage in _stages(cls) and getattr(opts, cls.option, True)]
 
     def __call__(self, graph: fx.Graph) -> None:
         ctx = PassContext(self.opts, self.unit, self.stage)
+        if self.passes and self.stage == "joint_pre":
+            # The pre pass runs before Inductor's own clean-up: leftover aten.alias / no-op
+            # views would hide patterns (TORCH_NOTES). Inductor runs this again later.
+            compat.remove_noop_ops(graph)
         for p in self.passes:
             t0 = time.perf_counter()
             try:

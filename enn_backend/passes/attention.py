@@ -370,7 +370,10 @@ class AttentionPass(EnnPass):
 
     name = "attention"
     option = "attention"
-    stage = "joint"
+    # joint_pre: before Inductor's own fuse_attention takes the patterns it knows (with other
+    # masked-row semantics); joint: again after Inductor's clean-up, for what only matches
+    # once constants are folded. A fused site is an enn::attention node: no double match.
+    stage = ("joint_pre", "joint")
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         import enn_backend.custom_ops  # noqa: F401  (the enn ops must be registered)
@@ -574,8 +577,8 @@ class _Rewrite:
             cap = torch.cuda.get_device_capability(dev)
         p = AttentionProblem(
             device=dev.type, capability=tuple(cap), dtype=str(qv.dtype).removeprefix("torch."),
-            head_dim=int(qv.shape[-1]), head_dim_v=int(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
-            heads_q=int(qv.shape[1]), heads_kv=int(kv.shape[1]), causal=causal, window=window,
+            head_dim=_hint(qv.shape[-1]), head_dim_v=_hint(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
+            heads_q=_hint(qv.shape[1]), heads_kv=_hint(kv.shape[1]), causal=causal, window=window,
             has_mask=mask is not None, has_bias=bias is not None, bias_grad=bias_grad, alibi=alibi,
             training=training)
         c = choose(p, self.opts.attention_backend, self.opts.attention_order)
@@ -587,10 +590,7 @@ class _Rewrite:
 
 
 def _hint(s: Any) -> int:
-    try:
-        return int(s)
-    except Exception:  # noqa: BLE001 - symbolic size without a hint
-        return 0
+    return compat.size_hint(s)  # never int(s): that would specialize dynamic shapes
 
 
 def _fake_mode(graph: fx.Graph) -> Any:
