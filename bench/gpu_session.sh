@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine: install enn (no network there), then run the named stages.
+#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard epilogue attention precision tests bench demo)
+# Each stage's output goes to $OUT/<stage>.log and its JSON to $OUT.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/enn_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+for stage in "$@"; do
+  echo "=== $stage ($(date +%T))"
+  case $stage in
+    doctor)    python3 -m enn_backend doctor ;;
+    guard)     python3 bench/guard_overhead.py --device cuda --rounds 7 --steps 10 --out "$OUT" ;;
+    guardinf)  python3 bench/guard_overhead.py --device cuda --mode infer --rounds 7 --steps 10 --out "$OUT/infer" ;;
+    epilogue)  python3 bench/gpu_epilogue.py ;;
+    attention) python3 bench/gpu_attention.py ;;
+    precision) python3 bench/gpu_precision.py ;;
+    tests)     python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
+    bench)     python3 -m enn_backend bench --preset gpu --out "$OUT/bench" ;;
+    demo)      python3 -m enn_backend demo ;;
+    *) echo "unknown stage $stage" ;;
+  esac 2>&1 | tee "$OUT/$stage.log" | tail -40
+done
+echo "=== done ($(date +%T))"
