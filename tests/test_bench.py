@@ -124,6 +124,8 @@ def test_accuracy_cosine_fallback_and_structure(ref64):
     assert not accuracy.compare([-eager], [eager], None, tol=1e-4).passed
     assert not accuracy.compare([eager, eager], [eager], None, tol=1e-3).passed
     assert not accuracy.compare([eager[:10]], [eager[:11]], None, tol=1e-3).passed
+    a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
+    assert [t.numel() for t in accuracy.flatten({"y": (b, [c]), "x": a, "z": None})] == [1, 2, 3]
     ints = torch.arange(5)
     assert accuracy.compare([ints], [ints.clone()], [ints], tol=1e-3).passed
     assert not accuracy.compare([ints + 1], [ints], [ints], tol=1e-3).passed

@@ -25,7 +25,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 # Upstream tolerances (HF / TIMM): 1e-3 inference, 1e-2 training; low precision is looser.
 TOLERANCES = {
@@ -87,9 +86,14 @@ class Verdict:
 
 
 def flatten(result: Any) -> list[torch.Tensor]:
-    """The tensors of a (nested) result, in a fixed order."""
-    leaves, _ = pytree.tree_flatten(result)
-    return [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
+    """The tensors of a (nested list / tuple / dict) result, detached, in a fixed order."""
+    if isinstance(result, torch.Tensor):
+        return [result.detach()]
+    if isinstance(result, dict):
+        return [t for k in sorted(result, key=str) for t in flatten(result[k])]
+    if isinstance(result, (list, tuple)):
+        return [t for x in result for t in flatten(x)]
+    return []
 
 
 def rmse(a: torch.Tensor, b: torch.Tensor) -> float:
