@@ -26,8 +26,9 @@ VARIANTS = {
     "inductor": dict(backend="inductor"),
     "enn guard=off": dict(backend="enn", options={"guard": "off"}),
     "enn guard=exceptions": dict(backend="enn", options={"guard": "exceptions"}),
-    "enn guard=nonfinite (default)": dict(backend="enn", options={"guard": "nonfinite"}),
-    "enn guard=nonfinite every 10": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 10}),
+    "enn nonfinite every call": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 1, "guard_warmup": 0}),
+    "enn nonfinite every 10": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 10, "guard_warmup": 0}),
+    "enn nonfinite every 50": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 50, "guard_warmup": 0}),
 }
 
 

@@ -62,7 +62,15 @@ class Options:
         default=1,
         metadata=_meta(
             "ENN_GUARD_EVERY",
-            "Check outputs for NaN/Inf on every N-th call of a graph (exceptions are always caught).",
+            "After the warm-up calls, check a graph's outputs for NaN/Inf on every N-th call (exceptions are always caught).",
+            codegen=False,
+        ),
+    )
+    guard_warmup: int = field(
+        default=20,
+        metadata=_meta(
+            "ENN_GUARD_WARMUP",
+            "Check every call of a newly compiled (or recompiled) graph for this many calls, whatever guard_every says.",
             codegen=False,
         ),
     )
@@ -200,6 +208,8 @@ class Options:
     def __post_init__(self) -> None:
         if self.guard_every < 1:
             raise OptionsError(f"enn: guard_every must be >= 1, got {self.guard_every}")
+        if self.guard_warmup < 0:
+            raise OptionsError(f"enn: guard_warmup must be >= 0, got {self.guard_warmup}")
         if self.localize_budget < 0:
             raise OptionsError(f"enn: localize_budget must be >= 0, got {self.localize_budget}")
         if self.attention_order:

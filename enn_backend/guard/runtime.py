@@ -39,19 +39,26 @@ def _flat_tensors(outs: Any) -> list[torch.Tensor]:
 def nonfinite_outputs(outs: Any) -> list[int]:
     """Indices (in the flat output list) of floating outputs holding NaN/Inf.
 
-    One fp32 sum per output screens them with a single host sync; only when the
-    screen trips (a NaN/Inf, or a sum overflowing) is each output checked exactly.
+    One fp32 reduction per output screens them with one host sync per device and dtype;
+    only when the screen trips (a NaN/Inf, or a sum overflowing) is each output checked exactly.
     """
     flat = outs if isinstance(outs, (list, tuple)) else [outs]
     idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
     if not idx:
         return []
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for i in idx:
-        t = flat[i]
-        by_device.setdefault(t.device, []).append(t.sum(dtype=torch.float32) if t.dtype != torch.float64 else t.sum())
-    # NaN + x = NaN and Inf - Inf = NaN: one finite total means every output is finite.
-    if all(math.isfinite(torch.stack(sums).sum().item()) for sums in by_device.values()):
+        groups.setdefault((flat[i].device, flat[i].dtype), []).append(flat[i])
+    # One fp32 L1 norm per output (NaN + x = NaN, Inf - Inf = NaN): a finite total means every
+    # output is finite. On CUDA one _foreach_norm launches a few kernels for all outputs of a
+    # dtype instead of one kernel per output.
+    totals = []
+    for (device, _), ts in groups.items():
+        if device.type == "cuda":
+            totals.append(torch.stack(torch._foreach_norm(ts, 1, dtype=torch.float32)).sum())
+        else:
+            totals.append(torch.stack([t.sum(dtype=torch.float32) for t in ts]).sum())
+    if all(math.isfinite(t.item()) for t in totals):
         return []
     return [i for i in idx if not bool(torch.isfinite(flat[i]).all())]
 
@@ -115,7 +122,9 @@ class GuardedGraph:
         self.opts = compiler.opts
         self.mode = self.opts.guard
         self.every = self.opts.guard_every
+        self.warmup = self.opts.guard_warmup
         self.calls = 0
+        self.since_build = 0  # calls since the current artifact was built
         self.mutated = E.mutated_input_indices(compiler.eager_gm)
         self.random = E.has_random_ops(compiler.eager_gm)
         self.model_nonfinite_seen = False
@@ -125,7 +134,12 @@ class GuardedGraph:
     def __call__(self, args: list) -> Any:
         self.calls += 1
         self.record.counters["calls"] = self.calls
-        check = self.mode != "exceptions" and self.calls % self.every == 0
+        self.since_build += 1
+        # every call while the artifact is new (first calls are where kernel faults show),
+        # then every `guard_every`-th call
+        check = self.mode != "exceptions" and (self.since_build <= self.warmup or self.calls % self.every == 0)
+        if check:
+            self.record.counters["checks"] = self.record.counters.get("checks", 0) + 1
         inputs = list(args)  # the compiled code may clear `args` to free memory early
         snapshot = [inputs[i].clone() for i in self.mutated] if self.mutated else None
         rng = _RngSnapshot() if self.random else None
@@ -237,7 +251,7 @@ class GuardedGraph:
             ) from exc
         R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action)
         self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
-        self.compiled = new
+        self.compiled, self.since_build = new, 0
         self.compiler.write_repro(kind=kind, what=what, inputs=inputs, snapshot=snapshot, nodes=nodes)
         return eager_out
 
@@ -280,7 +294,7 @@ class GuardedGraph:
                     )
                 new = self.compiler.build(fp32=True)
                 self.compiler.adopt(new, fp32=True)
-                self.compiled = new
+                self.compiled, self.since_build = new, 0
                 self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)
                 R.add_fallback(FallbackKind.PRECISION, node="<graph>", phase=phase, graph=rec,
                                reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
