@@ -174,6 +174,7 @@ def test_runner_produces_valid_json(tiny_result):
     assert [(w["model"], w["mode"]) for w in data["workloads"]] == [("mlp", "train")]
     for w in data["workloads"]:
         assert w["eager_self_check"]["passed"]
+        assert "compiled_during_timing" not in w  # the timed steps ran compiled code only
         be = w["backends"]
         assert set(be) == {"eager", "inductor", "enn"}
         for name in be:

@@ -190,6 +190,9 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
     lines.append("Accuracy verdicts (pass/fail): " + ", ".join(f"{b} {a['pass']}/{a['fail']}" for b, a in acc.items())
                  + (f". enn worse than inductor on: {', '.join(s['accuracy_enn_worse_than_inductor'])}" if s.get("accuracy_enn_worse_than_inductor") else ". enn is no worse than inductor on any workload")
                  + (f". Eager disagrees with itself on: {', '.join(s['eager_self_check_failed'])}" if s.get("eager_self_check_failed") else "") + ".")
+    recompiled = [f"{_label(w)} ({w['compiled_during_timing']} graphs)" for w in wls_all(result) if w.get("compiled_during_timing")]
+    if recompiled:
+        lines.append("Dynamo compiled during the timed steps of (those times include compiling): " + ", ".join(recompiled) + ".")
     if result.get("skipped"):
         lines.append("Skipped: " + ", ".join(f"{x['model']} {x['mode']} {x['dtype']} ({x['why']})" for x in result["skipped"]) + ".")
     # per-workload table
@@ -258,6 +261,10 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
     if files:
         lines += ["", "## Files", ""] + [f"- `{os.path.basename(v)}`: {k}" for k, v in files.items()]
     return "\n".join(lines) + "\n"
+
+
+def wls_all(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(result.get("workloads", []))
 
 
 def call_differences(profile: dict[str, Any]) -> list[tuple[str, float]]:

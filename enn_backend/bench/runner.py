@@ -420,8 +420,11 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     wl["timing_method"] = timer.method
     live = {b: steps[b] for b in names if b in steps}
     try:
+        g0 = _graph_count()
         with cache_dir(os.path.join(cache_root, f"{name}-{mode}-{dtype}-timing")):
             samples = timer.measure(live)
+        if _graph_count() != g0:  # a compile inside the timed loop would distort the times: say so
+            wl["compiled_during_timing"] = _graph_count() - g0
         for b, s in samples.items():
             results[b].samples_ms = [round(x, 5) for x in s]
             results[b].time_ms = statistics.median(s)
