@@ -25,6 +25,7 @@ correct by construction on every torch version, at the cost of that recompute.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from typing import Optional
@@ -59,6 +60,50 @@ def structural_keep(tq: int, tk: int, causal: bool, window: int, device: torch.d
 def alibi_bias(slopes: torch.Tensor, tq: int, tk: int, dtype: torch.dtype) -> torch.Tensor:
     i, j = _positions(tq, tk, slopes.device)
     return (slopes.float().view(-1, 1, 1) * (j - i).float()).to(dtype)
+
+
+# Masks a model keeps as a buffer (nanoGPT's `tril` buffer) reach enn::attention as
+# tensors. Checked once, a buffer that IS causal runs as `is_causal` (no T x T mask read,
+# half the work skipped). The cache holds the checked tensor itself, so its memory cannot
+# be reused by another tensor while cached, and keys on its version counter, which every
+# in-place write bumps: a changed mask is checked again.
+_MASK_CACHE: "collections.OrderedDict[tuple, tuple[torch.Tensor, str]]" = collections.OrderedDict()
+_MASK_CACHE_SIZE = 16
+
+
+def _square_mask_structure(mask: torch.Tensor, t: int) -> str:
+    """'causal', 'all' (keeps every key) or 'other' for a bool [.., t, t] mask of leading 1-dims."""
+    key = (mask.device, mask.data_ptr(), tuple(mask.shape), mask.stride(), mask._version)
+    hit = _MASK_CACHE.get(key)
+    if hit is not None:
+        _MASK_CACHE.move_to_end(key)
+        return hit[1]
+    m2 = mask.reshape(t, t)
+    if bool(m2.all()):
+        kind = "all"
+    elif torch.equal(m2, torch.ones(t, t, dtype=torch.bool, device=mask.device).tril()):
+        kind = "causal"
+    else:
+        kind = "other"
+    _MASK_CACHE[key] = (mask, kind)
+    if len(_MASK_CACHE) > _MASK_CACHE_SIZE:
+        _MASK_CACHE.popitem(last=False)
+    return kind
+
+
+def normalize_mask(q, k, mask, causal, window):
+    """(mask, causal): a runtime bool mask that is exactly causal (or keeps everything) is
+    replaced by the causal flag (or dropped), so the fast kernels need no mask tensor."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    if (mask is None or mask.dtype != torch.bool or causal or window > 0 or tq != tk
+            or mask.shape[-2:] != (tq, tk) or any(d != 1 for d in mask.shape[:-2])):
+        return mask, causal
+    kind = _square_mask_structure(mask, tq)
+    if kind == "causal":
+        return None, True
+    if kind == "all":
+        return None, causal
+    return mask, causal
 
 
 def _keep_all(q, k, mask, causal, window) -> Optional[torch.Tensor]:
@@ -296,6 +341,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[
               window: int, dropout_p: float, masked_rows: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ · scale + bias + alibi, masked) v on the chosen backend; returns (out, lse)."""
     _check(q, k, v, backend, masked_rows, dropout_p)
+    mask, causal = normalize_mask(q, k, mask, causal, window)
     fwd = _FWD.get(backend)
     if fwd is not None:
         out, lse = fwd(q, k, v, bias, mask, alibi, scale, causal, window)
@@ -326,6 +372,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     eager autograd gives NaN for the whole ``dv`` of that (batch, kv-head) while those rows add
     nothing to ``dq`` / ``dk``; enn reproduces exactly that. With ``"zero"`` they add nothing.
     """
+    mask, causal = normalize_mask(q, k, mask, causal, window)
     dead = dead_rows(q, k, bias, mask, causal, window)
     g = grad_out if dead is None else grad_out.masked_fill(dead, 0.0)
     if dead is not None:

@@ -351,3 +351,20 @@ gemm_bias_act.register_autograd(_backward, setup_context=_setup_context)
 def _safe_path(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> torch.Tensor:
     """What a pinned enn::gemm_bias_act runs: the unfused ATen GEMM + activation."""
     return ACT_FN[act](F.linear(x, weight, bias))
+
+
+def OPCHECK_SAMPLES() -> dict:
+    """Samples for tests/test_opcheck.py: every activation, fp32 and bf16, 2-D and 3-D inputs,
+    with and without bias, inputs that require grad (the op has an autograd formula)."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.float32, grad=False):
+        return torch.randn(*shape, generator=g).to(dtype).requires_grad_(grad)
+
+    samples = []
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = dtype == torch.float32
+        for act in ACTIVATIONS:
+            samples.append(((t(5, 8, dtype=dtype, grad=grad), t(6, 8, dtype=dtype, grad=grad), t(6, dtype=dtype, grad=grad), act), {}))
+        samples.append(((t(2, 3, 8, dtype=dtype, grad=grad), t(6, 8, dtype=dtype, grad=grad), None, "relu"), {}))
+    return {"enn::gemm_bias_act": samples}

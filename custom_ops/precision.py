@@ -154,3 +154,26 @@ rms_norm_fwd.register_autograd(_rms_backward, setup_context=_rms_setup)
 def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor] = None, eps: float = 1e-6) -> torch.Tensor:
     """RMSNorm over the last dim with fp32 accumulation (see module doc)."""
     return torch.ops.enn.rms_norm(x, weight, eps)[0]
+
+
+def OPCHECK_SAMPLES() -> dict:
+    """Samples for tests/test_opcheck.py: fp32 / bf16 / fp16, weight present and absent, and
+    inputs that require grad (the forward ops have autograd formulas)."""
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, dtype=torch.float32, grad=False):
+        return (torch.randn(*shape, generator=g) * 3).to(dtype).requires_grad_(grad)
+
+    out: dict = {"enn::softmax": [], "enn::softmax_backward": [], "enn::rms_norm": [], "enn::rms_norm_backward": []}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        grad = dtype == torch.float32
+        x = t(4, 6, dtype=dtype, grad=grad)
+        out["enn::softmax"] += [((x, -1), {}), ((x, 0), {})]
+        _, lse = softmax_fwd(x.detach(), -1)
+        out["enn::softmax_backward"].append(((t(4, 6, dtype=dtype), x.detach(), lse, -1), {}))
+        w = t(6, dtype=dtype, grad=grad)
+        out["enn::rms_norm"] += [((x, w, 1e-6), {}), ((x, None, 1e-5), {})]
+        _, rstd = rms_norm_fwd(x.detach(), w.detach(), 1e-6)
+        out["enn::rms_norm_backward"] += [((t(4, 6, dtype=dtype), x.detach(), w.detach(), rstd), {}),
+                                          ((t(4, 6, dtype=dtype), x.detach(), None, rstd), {})]
+    return out

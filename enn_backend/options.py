@@ -59,7 +59,7 @@ class Options:
         ),
     )
     guard_every: int = field(
-        default=1,
+        default=50,
         metadata=_meta(
             "ENN_GUARD_EVERY",
             "After the warm-up calls, check a graph's outputs for NaN/Inf on every N-th call (exceptions are always caught).",

@@ -461,3 +461,34 @@ def test_alibi_from_slopes():
     check(alibi_causal, (*qkv(), slopes))
     c = choices()[0]
     assert c["alibi"] and c["causal"] and not c["bias"]
+
+
+def test_runtime_causal_buffer_becomes_is_causal_and_a_changed_buffer_is_rechecked():
+    from enn_backend.custom_ops.attention import normalize_mask
+
+    q = torch.randn(1, 2, 8, 4)
+    buf = torch.ones(8, 8, dtype=torch.bool).tril().view(1, 1, 8, 8)
+    assert normalize_mask(q, q, buf, False, 0) == (None, True)
+    assert normalize_mask(q, q, buf, False, 0) == (None, True)  # cached
+    buf[0, 0, 0, 5] = True  # an in-place write bumps the version: checked again
+    mask, causal = normalize_mask(q, q, buf, False, 0)
+    assert mask is buf and causal is False
+    pad = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    assert normalize_mask(q, q, pad, False, 0)[0] is pad  # not a square structural mask: untouched
+
+
+def test_dynamic_shapes_keep_causal_structure_without_recompiles():
+    def causal_dyn(q, k, v):
+        t = q.size(-2)
+        keep = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        att = (q @ k.transpose(-1, -2)) * 0.25
+        return att.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+    f = torch.compile(causal_dyn, backend="enn", dynamic=True)
+    for t in (9, 13, 21):
+        q, k, v = (torch.randn(1, 2, t, 8) for _ in range(3))
+        torch.testing.assert_close(f(q, k, v), causal_dyn(q, k, v), atol=1e-5, rtol=1e-4)
+    rep = enn_backend.report().to_dict()
+    assert len({g["unit"] for g in rep["graphs"]}) == 1
+    choices = [c for g in rep["graphs"] for c in g["kernel_choices"]]
+    assert choices and all(c["causal"] and not c["mask"] for c in choices), choices

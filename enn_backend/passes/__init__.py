@@ -52,10 +52,15 @@ class PassContext:
         report().add_unit_fusion(self.unit, kind, count)
 
     def kernel_choice(self, node: str, choice: str, reason: str, **extra: Any) -> None:
-        report().add_unit_kernel_choice(self.unit, {"node": node, "choice": choice, "reason": reason, **extra})
+        report().add_unit_kernel_choice(self.unit, {"node": node, "choice": choice, "reason": reason, **_plain(extra)})
 
     def promotion(self, node: str, reason: str, **extra: Any) -> None:
-        report().add_unit_promotion(self.unit, {"node": node, "reason": reason, **extra})
+        report().add_unit_promotion(self.unit, {"node": node, "reason": reason, **_plain(extra)})
+
+
+def _plain(extra: dict[str, Any]) -> dict[str, Any]:
+    """Report values must be plain data: symbolic sizes are recorded as their expression."""
+    return {k: (v if isinstance(v, (str, int, float, bool, type(None), list, tuple, dict)) else str(v)) for k, v in extra.items()}
 
 
 class EnnPass:

@@ -281,8 +281,13 @@ def _gqa_base(n: fx.Node) -> tuple[fx.Node, int]:
 
 
 # ----------------------------------------------------------------------------- constant masks
-def _constant_value(n: fx.Node) -> Optional[torch.Tensor]:
-    """Evaluate ``n`` on real tensors if it depends on constants only (small, static shapes)."""
+def _constant_value(n: fx.Node, probe: Optional[int] = None) -> Optional[torch.Tensor]:
+    """Evaluate ``n`` on real tensors if it depends on constants only (small, static shapes).
+
+    With ``probe``, symbolic sizes (SymInt placeholders, ``sym_size``) are allowed and every
+    one of them is evaluated as ``probe``: the mask a dynamic-shape graph builds from its
+    sizes, seen at that size.
+    """
     order: list[fx.Node] = []
     seen: set = set()
     stack = [n]
@@ -291,11 +296,18 @@ def _constant_value(n: fx.Node) -> Optional[torch.Tensor]:
         if x in seen:
             continue
         seen.add(x)
+        if _is_size_symbol(x):
+            if probe is None:
+                return None
+            order.append(x)
+            continue
         if x.op != "call_function":
             return None
         v = _val(x)
         if isinstance(v, torch.Tensor):
-            if any(not isinstance(s, int) for s in v.shape) or v.numel() > _EVAL_LIMIT:
+            if probe is None and any(not isinstance(s, int) for s in v.shape):
+                return None
+            if all(isinstance(s, int) for s in v.shape) and v.numel() > _EVAL_LIMIT:
                 return None
         if torch.Tag.nondeterministic_seeded in getattr(x.target, "tags", ()):
             return None
@@ -305,6 +317,9 @@ def _constant_value(n: fx.Node) -> Optional[torch.Tensor]:
     try:
         with compat.real_tensor_mode():  # joint passes run inside a FakeTensorMode
             for x in sorted(order, key=_topo_index(n.graph)):
+                if _is_size_symbol(x):
+                    env[x] = probe
+                    continue
                 args = fx.map_arg(x.args, lambda a: env[a])
                 kwargs = fx.map_arg(x.kwargs, lambda a: env[a])
                 env[x] = x.target(*args, **kwargs)
@@ -321,6 +336,36 @@ _TOPO: dict = {}
 def _topo_index(graph: fx.Graph):
     idx = {x: i for i, x in enumerate(graph.nodes)}
     return lambda x: idx[x]
+
+
+_PROBES = (16, 23)  # sizes at which a dynamic-shape mask is evaluated (two, so a structure is not a coincidence)
+
+
+def _is_size_symbol(x: fx.Node) -> bool:
+    return (x.op == "placeholder" and isinstance(_val(x), torch.SymInt)) or _is(x, aten.sym_size.int)
+
+
+def _mask_structure(node: fx.Node, tq: Any, tk: Any, keep_of: Any) -> Optional[tuple[str, int]]:
+    """('none'|'causal'|'window', w) of a constant mask; for symbolic Tq/Tk (dynamic shapes)
+    the mask is evaluated at two probe sizes and must have the same structure at both.
+
+    ``keep_of(value) -> keep-mask or None`` turns the evaluated node into a boolean keep-mask.
+    """
+    if isinstance(tq, int) and isinstance(tk, int):
+        cv = _constant_value(node)
+        keep = keep_of(cv) if cv is not None else None
+        return _classify_keep(keep, tq, tk) if keep is not None else None
+    if not (isinstance(tq, torch.SymInt) and isinstance(tk, torch.SymInt) and str(tq) == str(tk)):
+        return None  # only square masks over one symbolic length
+    seen = set()
+    for p in _PROBES:
+        cv = _constant_value(node, probe=p)
+        keep = keep_of(cv) if cv is not None else None
+        cls = _classify_keep(keep, p, p) if keep is not None else None
+        if cls is None or (cls[0] == "window" and cls[1] >= p):
+            return None
+        seen.add(cls)
+    return seen.pop() if len(seen) == 1 else None
 
 
 def _classify_keep(keep: torch.Tensor, tq: int, tk: int) -> Optional[tuple[str, int]]:
@@ -346,6 +391,14 @@ def _classify_keep(keep: torch.Tensor, tq: int, tk: int) -> Optional[tuple[str, 
     return None
 
 
+def _additive_keep(cv: torch.Tensor) -> Optional[torch.Tensor]:
+    """The keep-mask of an additive 0 / -inf / finfo.min mask (None if it is anything else)."""
+    if not cv.is_floating_point():
+        return None
+    masked = ~torch.isfinite(cv) | (cv <= torch.finfo(cv.dtype).min)
+    return (cv == 0) if bool(((cv == 0) | masked).all()) else None
+
+
 def _alibi_slopes(term: fx.Node, tq: int, tk: int, heads: int) -> Optional[fx.Node]:
     """The per-head slopes node if ``term`` is ``slopes[h] * (j - i)`` (ALiBi written by hand)."""
     if not _is(term, aten.mul.Tensor) or not all(isinstance(a, fx.Node) for a in term.args):
@@ -354,14 +407,24 @@ def _alibi_slopes(term: fx.Node, tq: int, tk: int, heads: int) -> Optional[fx.No
         ss = _shape(slopes)
         if ss is None or len(ss) < 3 or ss[-2:] != (1, 1) or ss[-3] != heads or any(d != 1 for d in ss[:-3]):
             continue
-        rv = _constant_value(rel)
-        if rv is None or rv.shape[-2:] != (tq, tk) or any(d != 1 for d in rv.shape[:-2]):
+        if isinstance(tq, int) and isinstance(tk, int):
+            sizes = [(None, tq, tk)]
+        elif isinstance(tq, torch.SymInt) and str(tq) == str(tk):
+            sizes = [(p, p, p) for p in _PROBES]  # dynamic shapes: the same at two probe sizes
+        else:
             continue
-        i = torch.arange(tq).view(tq, 1)
-        j = torch.arange(tk).view(1, tk)
-        if bool((rv.reshape(tq, tk).double() == (j - i).double()).all()):
+        if all(_is_relative_positions(_constant_value(rel, probe), q, k) for probe, q, k in sizes):
             return slopes
     return None
+
+
+def _is_relative_positions(rv: Optional[torch.Tensor], tq: int, tk: int) -> bool:
+    """Whether ``rv`` is ``j - i`` over a [tq, tk] grid (broadcast over leading 1-dims)."""
+    if rv is None or tuple(rv.shape[-2:]) != (tq, tk) or any(d != 1 for d in rv.shape[:-2]):
+        return False
+    i = torch.arange(tq).view(tq, 1)
+    j = torch.arange(tk).view(1, tk)
+    return bool((rv.reshape(tq, tk).double() == (j - i).double()).all())
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -447,33 +510,26 @@ class _Rewrite:
         alibi = alibi_term = None
         with compat.real_tensor_mode():  # constant masks are evaluated on real tensors
             for cond, keep_when_true, fill, _factor in m.masks:
-                cv = _constant_value(cond)
-                if cv is not None:
-                    keep = cv if keep_when_true else ~cv
-                    cls = _classify_keep(keep, tq, tk) if isinstance(tq, int) and isinstance(tk, int) else None
-                    if cls is not None:
-                        kind, w = cls
-                        if kind == "none":
-                            continue
-                        causal, window = True, (w if kind == "window" else window)
+                cls = _mask_structure(cond, tq, tk, lambda cv, kt=keep_when_true: (cv if kt else ~cv) if cv.dtype == torch.bool else None)
+                if cls is not None:
+                    kind, w = cls
+                    if kind == "none":
                         continue
+                    causal, window = True, (w if kind == "window" else window)
+                    continue
                 if fill == float("-inf"):
                     keep_nodes.append((cond, keep_when_true))
                 else:
                     minfill_masks.append((cond, keep_when_true, fill))
             structural_bias = []
             for term, factor in bias_terms:
-                cv = _constant_value(term)
-                if cv is not None and factor == 1.0 and cv.is_floating_point() and isinstance(tq, int) and isinstance(tk, int):
+                cls = _mask_structure(term, tq, tk, _additive_keep) if factor == 1.0 else None
+                if cls is not None:
                     # an additive mask of 0 / -inf / finfo.min built from constants (LLaMA's causal mask)
-                    masked = ~torch.isfinite(cv) | (cv <= torch.finfo(cv.dtype).min)
-                    if bool(((cv == 0) | masked).all()):
-                        cls = _classify_keep(cv == 0, tq, tk)
-                        if cls is not None:
-                            if cls[0] != "none":
-                                causal, window = True, (cls[1] if cls[0] == "window" else window)
-                            continue
-                if cv is None and alibi is None and factor == 1.0 and isinstance(tq, int) and isinstance(tk, int):
+                    if cls[0] != "none":
+                        causal, window = True, (cls[1] if cls[0] == "window" else window)
+                    continue
+                if alibi is None and factor == 1.0:
                     found = _alibi_slopes(term, tq, tk, 1 if m.three_d else _shape(q)[1])
                     if found is not None:
                         alibi, alibi_term = found, term
@@ -564,7 +620,7 @@ class _Rewrite:
                     raise _Skip(f"gradient shape {_shape(gi)} != {_shape(exit_node)}")
                 exit_node.replace_all_uses_with(gi)
         self.ctx.kernel_choice(m.out.name, backend, self.reason,
-                               causal=causal, window=window, gqa=_shape(q4)[1] != _shape(k4)[1],
+                               causal=causal, window=window, gqa=_hint(_shape(q4)[1]) != _hint(_shape(k4)[1]),
                                mask=mask is not None, bias=bias is not None, alibi=alibi_node is not None,
                                training=bool(grads))
         return True
