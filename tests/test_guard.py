@@ -197,3 +197,28 @@ def test_corrupt_state_file_is_survived_with_one_warning(tmp_path, content):
     fallbacks, stderr = _run_persist(tmp_path)
     assert [f["kind"] for f in fallbacks] == ["nonfinite"]  # started with no recorded faults
     assert stderr.count("ignoring kernel state file") == 1, stderr
+
+
+def test_legit_inf_in_saved_tensors_is_learned_once():
+    class AdditiveMask(torch.nn.Module):
+        """LLaMA-style: an additive -inf mask that autograd saves for the backward."""
+
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            t = x.shape[0]
+            mask = torch.full((t, t), float("-inf")).triu(1)
+            scores = self.lin(x) @ x.t() + mask
+            return scores.amax(-1)  # amax's backward saves the masked scores (with their -inf)
+
+    torch.manual_seed(0)
+    model, x = AdditiveMask(), torch.randn(6, 8)
+    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    for _ in range(4):
+        assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    rep = enn_backend.report().to_dict()
+    fwd = next(g for g in rep["graphs"] if g["phase"] == "forward")
+    assert fwd["counters"].get("eager_reruns", 0) <= 1, fwd["counters"]  # learned on the first call at most
+    assert all(f["kind"] == "model_nonfinite" for f in rep["fallbacks"]), rep["fallbacks"]

@@ -36,16 +36,24 @@ def _flat_tensors(outs: Any) -> list[torch.Tensor]:
     return []
 
 
-def nonfinite_outputs(outs: Any) -> list[int]:
+def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[int]:
     """Indices (in the flat output list) of floating outputs holding NaN/Inf.
+
+    ``allowed`` maps outputs known to hold non-finite values legitimately (eager makes the
+    same ones: an additive ``-inf`` mask saved for backward, the model's own NaN) to what is
+    allowed there: ``"inf"`` (only a NaN counts) or ``"any"`` (not checked).
 
     One fp32 reduction per output screens them with one host sync per device and dtype;
     only when the screen trips (a NaN/Inf, or a sum overflowing) is each output checked exactly.
     """
     flat = outs if isinstance(outs, (list, tuple)) else [outs]
-    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+    allowed = allowed or {}
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+           and i not in allowed]
+    nan_only = [i for i, a in allowed.items() if a == "inf" and i < len(flat) and isinstance(flat[i], torch.Tensor)]
+    bad_nan = [i for i in nan_only if bool(torch.isnan(flat[i]).any())]
     if not idx:
-        return []
+        return bad_nan
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for i in idx:
         groups.setdefault((flat[i].device, flat[i].dtype), []).append(flat[i])
@@ -59,8 +67,12 @@ def nonfinite_outputs(outs: Any) -> list[int]:
         else:
             totals.append(torch.stack([t.sum(dtype=torch.float32) for t in ts]).sum())
     if all(math.isfinite(t.item()) for t in totals):
-        return []
-    return [i for i in idx if not bool(torch.isfinite(flat[i]).all())]
+        return bad_nan
+    return sorted(bad_nan + [i for i in idx if not bool(torch.isfinite(flat[i]).all())])
+
+
+def _same_nonfinite_pattern(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.equal(torch.isnan(a), torch.isnan(b))
 
 
 _OK, _NONFINITE, _EXCEPTION = 0, 1, 2
@@ -128,6 +140,7 @@ class GuardedGraph:
         self.mutated = E.mutated_input_indices(compiler.eager_gm)
         self.random = E.has_random_ops(compiler.eager_gm)
         self.model_nonfinite_seen = False
+        self.allowed: dict[int, str] = {}  # outputs whose non-finite values eager makes too
         self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
 
     # --------------------------------------------------------------- fast path
@@ -151,7 +164,7 @@ class GuardedGraph:
         except Exception as e:  # noqa: BLE001 - any kernel failure enters the ladder
             exc = e
         if exc is None and check:
-            bad = nonfinite_outputs(out)
+            bad = nonfinite_outputs(out, self.allowed)
         level = _EXCEPTION if exc is not None else (_NONFINITE if bad else _OK)
         if _distributed():
             agreed = _agree_level(level)
@@ -161,7 +174,7 @@ class GuardedGraph:
         if level == _OK:
             return out
         kind = "exception" if level == _EXCEPTION else "nonfinite"
-        return self._on_fault(kind, inputs, snapshot, rng, exc=exc, bad=bad)
+        return self._on_fault(kind, inputs, snapshot, rng, exc=exc, bad=bad, out=out)
 
     # --------------------------------------------------------------- the ladder
     def _restore(self, inputs: list, snapshot: list | None, rng: _RngSnapshot | None) -> None:
@@ -179,7 +192,8 @@ class GuardedGraph:
         except Exception as exc:  # noqa: BLE001
             return None, exc
 
-    def _on_fault(self, kind: str, inputs: list, snapshot: list | None, rng: Any, exc: BaseException | None = None, bad: list | None = None) -> Any:
+    def _on_fault(self, kind: str, inputs: list, snapshot: list | None, rng: Any, exc: BaseException | None = None,
+                  bad: list | None = None, out: Any = None) -> Any:
         rec, phase, R = self.record, self.record.phase, report()
         rec.counters["faults"] = rec.counters.get("faults", 0) + 1
         R.count("guard.faults")
@@ -197,14 +211,20 @@ class GuardedGraph:
                            reason=f"{what}; the eager graph raises too ({type(eager_exc).__name__}: {eager_exc})",
                            action="raised the model's own error")
             raise eager_exc
-        eager_bad = bool(nonfinite_outputs(eager_out))
+        # Outputs where eager is non-finite at exactly the same places are the model's own
+        # values; any other bad output is the compiled code's fault.
+        eager_bad = set(nonfinite_outputs(eager_out))
+        own = {i for i in (bad or []) if i >= 0 and i in eager_bad and _same_nonfinite_pattern(out[i], eager_out[i])}
+        kernel = kind == "exception" or bad == [-1] or any(i not in own for i in bad or [])
         if _distributed():
-            eager_bad = _agree(eager_bad)
-        if kind == "exception" or not eager_bad:
-            return self._kernel_fault(kind, what, inputs, snapshot, rng, exc, eager_out, bad)
-        return self._eager_nonfinite(what, inputs, snapshot, rng, eager_out)
+            kernel = _agree(kernel)
+        legit = {i: ("any" if bool(torch.isnan(eager_out[i]).any()) else "inf") for i in eager_bad}
+        if kernel:
+            return self._kernel_fault(kind, what, inputs, snapshot, rng, exc, eager_out,
+                                      [i for i in (bad or []) if i not in own] or bad, {**self.allowed, **legit})
+        return self._eager_nonfinite(what, inputs, snapshot, rng, eager_out, legit, bad or [])
 
-    def _kernel_fault(self, kind, what, inputs, snapshot, rng, exc, eager_out, bad) -> Any:
+    def _kernel_fault(self, kind, what, inputs, snapshot, rng, exc, eager_out, bad, legit) -> Any:
         rec, phase, R = self.record, self.record.phase, report()
         t0 = time.perf_counter()
 
@@ -217,7 +237,7 @@ class GuardedGraph:
                 raise
             except Exception:  # noqa: BLE001
                 return _agree(True)
-            faulty = kind == "nonfinite" and bool(nonfinite_outputs(out))
+            faulty = kind == "nonfinite" and bool(nonfinite_outputs(out, legit))
             if _distributed():
                 faulty = _agree(faulty)
             if not faulty:
@@ -278,13 +298,13 @@ class GuardedGraph:
         ordered = sorted(groups.items(), key=lambda kv: not kv[0].startswith("enn."))
         return [g for _, g in ordered], prime
 
-    def _eager_nonfinite(self, what, inputs, snapshot, rng, eager_out) -> Any:
+    def _eager_nonfinite(self, what, inputs, snapshot, rng, eager_out, legit, bad) -> Any:
         rec, phase, R = self.record, self.record.phase, report()
         if E.has_low_precision(self.compiler.eager_gm) and self.opts.precision:
             fp32_gm = self.compiler.fp32_gm()
             self._restore(inputs, snapshot, rng)
             out32, exc32 = self._run_eager(fp32_gm, inputs)
-            ok = exc32 is None and not nonfinite_outputs(out32)
+            ok = exc32 is None and not (set(nonfinite_outputs(out32)) & set(bad))
             if _distributed():
                 ok = not _agree(not ok)
             if ok:
@@ -301,7 +321,10 @@ class GuardedGraph:
                                action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run")
                 rec.promotions.append({"node": "<graph>", "reason": "master-dtype retry: low precision overflowed"})
                 return out32
-        # The model's own NaN/Inf: eager makes it too. Return eager's result, blame nothing.
+        # The model's own NaN/Inf: eager makes it too, at the same places. Return eager's
+        # result, blame nothing, and stop flagging those outputs (a -inf mask saved for the
+        # backward would otherwise send every call down this path).
+        self.allowed.update(legit)
         rec.counters["model_nonfinite"] = rec.counters.get("model_nonfinite", 0) + 1
         if self.mode == "strict":
             raise EnnGuardError(
