@@ -378,8 +378,8 @@ def _classify_keep(keep: torch.Tensor, tq: int, tk: int) -> Optional[tuple[str, 
         return None
     if bool(first.all()):
         return "none", 0
-    i = torch.arange(tq).view(tq, 1)
-    j = torch.arange(tk).view(1, tk)
+    i = torch.arange(tq, device=keep.device).view(tq, 1)
+    j = torch.arange(tk, device=keep.device).view(1, tk)
     causal = j <= i
     if not bool((first & ~causal).any()):
         # a band: keys i - w < j <= i for some w
@@ -422,8 +422,8 @@ def _is_relative_positions(rv: Optional[torch.Tensor], tq: int, tk: int) -> bool
     """Whether ``rv`` is ``j - i`` over a [tq, tk] grid (broadcast over leading 1-dims)."""
     if rv is None or tuple(rv.shape[-2:]) != (tq, tk) or any(d != 1 for d in rv.shape[:-2]):
         return False
-    i = torch.arange(tq).view(tq, 1)
-    j = torch.arange(tk).view(1, tk)
+    i = torch.arange(tq, device=rv.device).view(tq, 1)
+    j = torch.arange(tk, device=rv.device).view(1, tk)
     return bool((rv.reshape(tq, tk).double() == (j - i).double()).all())
 
 
