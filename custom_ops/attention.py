@@ -33,6 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .pinned import register_safe_path
+
 BACKENDS = ("explicit", "cpu_flash", "flash", "efficient", "cudnn", "math", "flex")
 MASKED_ROWS = ("eager", "zero")
 
@@ -309,14 +311,20 @@ def _recompute_fwd(q, k, v, bias, mask, alibi, scale, causal, window, backend):
 
 
 def _recompute_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, backend):
-    with torch.enable_grad():
-        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-        bb = bias.detach().requires_grad_(True) if bias is not None and bias.is_floating_point() else bias
-        o, _ = _recompute_fwd(qq, kk, vv, bb, mask, alibi, scale, causal, window, backend)
-        wrt = [qq, kk, vv] + ([bb] if bb is not None else [])
-        grads = torch.autograd.grad(o, wrt, g, allow_unused=True)
-    dbias = grads[3] if bias is not None else None
-    return grads[0], grads[1], grads[2], dbias
+    """Gradients by recomputing the forward under ``torch.func.vjp``.
+
+    A custom op's kernel runs below the autograd dispatch key, where ``torch.enable_grad()``
+    records nothing (``torch.autograd.grad`` would see an output without grad_fn); functorch's
+    vjp brings its own autograd layer, so it works here.
+    """
+    with_bias = bias is not None and bias.is_floating_point()
+
+    def f(qq, kk, vv, bb):
+        return _recompute_fwd(qq, kk, vv, bb if with_bias else bias, mask, alibi, scale, causal, window, backend)[0]
+
+    _, pullback = torch.func.vjp(f, q, k, v, bias if with_bias else q.new_zeros(()))
+    dq, dk, dv, db = pullback(g.to(out.dtype))
+    return dq, dk, dv, (db if with_bias else None)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -458,3 +466,25 @@ def OPCHECK_SAMPLES() -> dict:
     bwd = [((t(b, h, tt, d), q, k, v, bias, keep, None, out, lse, 0.35, False, 0, "eager", "explicit", True), {}),
            ((t(b, h, tt, d), q, k, v, None, None, None, out, lse, 0.35, True, 0, "eager", "cpu_flash", False), {})]
     return {"enn::attention": fwd, "enn::attention_backward": bwd}
+
+
+# ----------------------------------------------------------------------------- safe paths
+# What a pinned enn::attention node (and the guard's eager re-run) runs: enn's explicit fp32
+# math, whatever kernel the policy chose. The outputs keep the chosen backend's layout (a
+# recompute backend saves an empty lse), so the graphs around the node are unchanged.
+@register_safe_path("enn.attention.default")
+def _attention_safe(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend):
+    out, lse = attention(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, "explicit")
+    if backend not in _FWD:
+        lse = q.new_empty((0,), dtype=torch.float32)
+    return out, lse
+
+
+@register_safe_path("enn.attention_backward.default")
+def _attention_backward_safe(grad_out, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, masked_rows,
+                             backend, bias_grad):
+    if lse.numel() == 0:  # saved by a recompute backend: rebuild it with the explicit forward
+        m, c = normalize_mask(q, k, mask, causal, window)
+        lse = _explicit_fwd(q, k, v, bias, m, alibi, scale, c, window)[1]
+    return attention_backward(grad_out, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, masked_rows,
+                              "explicit", bias_grad)

@@ -53,6 +53,7 @@ class GraphCompiler:
         self.pinned_names: frozenset[str] = self._pins_from_state()
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None
+        self._safe_gm: fx.GraphModule | None = None
 
     # ---------------------------------------------------------------- helpers
     def node(self, name: str) -> fx.Node:
@@ -63,8 +64,17 @@ class GraphCompiler:
 
     def fp32_gm(self) -> fx.GraphModule:
         if self._fp32_gm is None:
-            self._fp32_gm = E.promote_to_fp32(self.eager_gm)
+            self._fp32_gm = E.promote_to_fp32(self.safe_gm())
         return self._fp32_gm
+
+    def safe_gm(self) -> fx.GraphModule:
+        """The eager copy the guard re-runs: ATen ops as they are, and enn's own ops (fused
+        attention, GEMM epilogues) on their registered safe path, so a broken enn kernel is
+        never the reference it is judged against."""
+        if self._safe_gm is None:
+            enn_nodes = [n.name for n in E.candidate_nodes(self.eager_gm) if n.target.namespace == "enn"]
+            self._safe_gm = E.pin_nodes(self.eager_gm, enn_nodes) if enn_nodes else self.eager_gm
+        return self._safe_gm
 
     def _pins_from_state(self) -> frozenset[str]:
         pins = []

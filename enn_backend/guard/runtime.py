@@ -204,7 +204,7 @@ class GuardedGraph:
         else:
             what = "NaN/Inf in compiled output"
         self._restore(inputs, snapshot, rng)
-        eager_out, eager_exc = self._run_eager(self.compiler.eager_gm, inputs)
+        eager_out, eager_exc = self._run_eager(self.compiler.safe_gm(), inputs)
         rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
         if eager_exc is not None:
             R.add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=phase, graph=rec,
