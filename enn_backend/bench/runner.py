@@ -438,6 +438,8 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
 
     # ---- speed ratio, accuracy comparison, profile evidence
     ind, enn = results.get("inductor"), results.get("enn")
+    if ind and enn and ind.ok and not enn.ok:  # enn failing where inductor runs is worse, whatever the numbers
+        wl["accuracy_enn_no_worse"] = {"passed": False, "detail": "enn failed on a workload inductor runs"}
     if ind and enn and ind.ok and enn.ok and ind.time_ms > 0 and enn.time_ms > 0:
         wl["speedup_enn_vs_inductor"] = paired_ratio(ind.samples_ms, enn.samples_ms)
         wl["speedup_enn_vs_inductor_of_medians"] = ind.time_ms / enn.time_ms
