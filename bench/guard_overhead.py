@@ -29,6 +29,7 @@ VARIANTS = {
     "enn nonfinite every call": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 1, "guard_warmup": 0}),
     "enn nonfinite every 10": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 10, "guard_warmup": 0}),
     "enn nonfinite every 50": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 50, "guard_warmup": 0}),
+    "enn defaults": dict(backend="enn"),
 }
 
 
