@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 class GraphCompiler:
     def __init__(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict, *, opts: Options,
-                 unit: str, config_patches: dict, fault_specs: tuple) -> None:
+                 unit: str, config_patches: dict, fault_specs: tuple, state: KernelState | None = None) -> None:
         self.opts = opts
         self.unit = unit
         self.kwargs = dict(kwargs)
@@ -45,7 +45,9 @@ class GraphCompiler:
         self.tracing_ctx = compat.current_tracing_context()
         self.config_patches = config_patches
         self.fault_specs = fault_specs
-        self.state: KernelState = state_for(opts)
+        # `state`: replays and repros pass a fresh one, so faults recorded in this process
+        # (which pin nodes at compile time) cannot hide the fault being reproduced.
+        self.state: KernelState = state if state is not None else state_for(opts)
         self.record: GraphRecord = report().new_graph(unit, self.phase)
         self.record.nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         self.compute_nodes = len(E.candidate_nodes(self.eager_gm))

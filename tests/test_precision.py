@@ -223,7 +223,8 @@ def test_fp32_tail_auto_on_bf16_inference():
         ref = m.double()(x.double())
         m.float()
         errs = {}
-        for be, opts in (("inductor", None), ("enn", {}), ("enn-off", {"fp32_tail": "off"})):
+        # "auto" is asked for explicitly: the shipped default is "off" (see Options.fp32_tail)
+        for be, opts in (("inductor", None), ("enn", {"fp32_tail": "auto"}), ("enn-off", {})):
             torch._dynamo.reset()
             enn_backend.reset()
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -242,7 +243,7 @@ def test_fp32_tail_auto_on_bf16_inference():
 def test_fp32_tail_skipped_for_bf16_params():
     m = Head().bfloat16().eval()
     with torch.no_grad():
-        y = torch.compile(m, backend="enn")(torch.randn(8, 64).bfloat16())
+        y = torch.compile(m, backend="enn", options={"fp32_tail": "auto"})(torch.randn(8, 64).bfloat16())
     assert y.dtype == torch.bfloat16
     (fb,) = fallbacks(FallbackKind.PRECISION_SKIPPED)
     assert "stored in bfloat16" in fb.reason

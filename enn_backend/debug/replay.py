@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from .. import compat
+from ..guard.graph_edit import retarget_dtypes
 
 EXIT_OK, EXIT_FAULT, EXIT_UNDECIDED = 0, 1, 2
 FAULT_KINDS = ("compile", "exception", "nonfinite", "accuracy")
@@ -154,11 +155,7 @@ def fp64_graph(gm: fx.GraphModule) -> fx.GraphModule:
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
     def up(x: Any) -> Any:
-        if isinstance(x, torch.dtype) and x in _FLOAT_DTYPES:
-            return torch.float64
-        if isinstance(x, (list, tuple)):
-            return type(x)(up(v) for v in x)
-        return x
+        return retarget_dtypes(x, _FLOAT_DTYPES, torch.float64)
 
     for n in new.graph.nodes:
         if n.op == "call_function":
@@ -190,6 +187,7 @@ def fast_path(gm: fx.GraphModule, phase: str, opts: Any) -> Callable[[list], Any
     lowerings and planted faults, without the runtime guard. Compile errors raise."""
     from ..graph_compiler import GraphCompiler
     from ..guard.faults import parse_fault_spec
+    from ..guard.kernel_state import KernelState
     from ..passes import PassManager
 
     patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
@@ -198,7 +196,8 @@ def fast_path(gm: fx.GraphModule, phase: str, opts: Any) -> Callable[[list], Any
         patches["emulate_precision_casts"] = True
     fake_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     compiler = GraphCompiler(gm, fake_inputs, _phase_kwargs(phase), opts=opts, unit="repro",
-                             config_patches=patches, fault_specs=parse_fault_spec(opts.fault_inject))
+                             config_patches=patches, fault_specs=parse_fault_spec(opts.fault_inject),
+                             state=KernelState(None))
     return compiler.build()
 
 

@@ -140,6 +140,16 @@ def plant_faults(
     return gm, planted
 
 
+def retarget_dtypes(x: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
+    """``x`` (a node argument, possibly nested lists/tuples) with every dtype in ``source``
+    replaced by ``target``: how a graph is moved to another compute precision."""
+    if isinstance(x, torch.dtype) and x in source:
+        return target
+    if isinstance(x, (list, tuple)):
+        return type(x)(retarget_dtypes(v, source, target) for v in x)
+    return x
+
+
 def has_low_precision(gm: fx.GraphModule) -> bool:
     return any(
         t.dtype in LOW_PRECISION for n in gm.graph.nodes for t in _tensors_in(_val(n))
@@ -158,11 +168,7 @@ def promote_to_fp32(gm: fx.GraphModule) -> fx.GraphModule:
     up = torch.ops.prims.convert_element_type.default
 
     def fix(x: Any) -> Any:
-        if isinstance(x, torch.dtype) and x in LOW_PRECISION:
-            return torch.float32
-        if isinstance(x, (list, tuple)):
-            return type(x)(fix(v) for v in x)
-        return x
+        return retarget_dtypes(x, LOW_PRECISION, torch.float32)
 
     out_node = next(n for n in graph.nodes if n.op == "output")
     for n in list(graph.nodes):

@@ -33,6 +33,7 @@ import torch.fx as fx
 from ..report import FallbackKind, report
 from . import EnnPass, PassContext
 from .precision import LOW_PRECISION, _CONVERT, fake_mode, is_pointwise, is_view, refresh, tensor_dtype, val
+from ..guard.graph_edit import retarget_dtypes
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -182,11 +183,7 @@ class Fp32TailPass(EnnPass):
     @staticmethod
     def _rewrite(graph: fx.Graph, tail: set[fx.Node], start: fx.Node, logits: fx.Node, mode: Any) -> None:
         def fix(x: Any) -> Any:
-            if isinstance(x, torch.dtype) and x in LOW_PRECISION:
-                return torch.float32
-            if isinstance(x, (list, tuple)):
-                return type(x)(fix(v) for v in x)
-            return x
+            return retarget_dtypes(x, LOW_PRECISION, torch.float32)
 
         low = tensor_dtype(logits)
         if tensor_dtype(start) in LOW_PRECISION:
