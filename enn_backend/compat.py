@@ -242,3 +242,10 @@ def size_hint(s: Any) -> int:
         hint = s.node.hint
         return int(hint) if hint is not None else 0
     return int(s)
+
+
+def detect_fake_mode(tensors: list) -> Any:
+    """The FakeTensorMode the given (fake) tensors belong to, or None."""
+    from torch._guards import detect_fake_mode as detect
+
+    return detect(tensors)

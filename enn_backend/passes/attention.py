@@ -650,10 +650,8 @@ def _hint(s: Any) -> int:
 
 
 def _fake_mode(graph: fx.Graph) -> Any:
-    from torch._guards import detect_fake_mode
-
     vals = [_val(n) for n in graph.nodes if n.op == "placeholder"]
-    mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    mode = compat.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None:
         raise _Skip("graph has no fake tensors to compute metadata from")
     return mode
