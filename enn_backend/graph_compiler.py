@@ -56,6 +56,7 @@ class GraphCompiler:
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None
         self._safe_gm: fx.GraphModule | None = None
+        self._pinned_in: dict[int, int] = {}  # id(artifact) -> enn::pinned nodes in it
 
     # ---------------------------------------------------------------- helpers
     def node(self, name: str) -> fx.Node:
@@ -131,7 +132,11 @@ class GraphCompiler:
                     action="this graph runs eagerly (ATen ops, no Inductor)")
                 compiled = self.eager_callable()
                 path = "eager"
+        # what the artifact really holds: nodes routed through enn::pinned (checked by tests)
+        self._pinned_in[id(compiled)] = 0 if path == "eager" else sum(
+            1 for n in gm.graph.nodes if n.target is torch.ops.enn.pinned.default)
         if not quiet:
+            self.record.counters["pinned_in_graph"] = self._pinned_in[id(compiled)]
             self.record.compile_time_s += time.perf_counter() - t0
             self.record.path = path
             self.record.compiled_nodes = 0 if path == "eager" else self.compute_nodes - len(pins)
@@ -155,6 +160,7 @@ class GraphCompiler:
         self.record.pinned = sorted(self.pinned_names)
         self.record.compiled_nodes = self.compute_nodes - len(self.pinned_names)
         self.record.counters["recompiles"] = self.record.counters.get("recompiles", 0) + 1
+        self.record.counters["pinned_in_graph"] = self._pinned_in.get(id(compiled), 0)
 
     def write_repro(self, **info: Any) -> None:
         if not self.opts.repro:
