@@ -26,7 +26,7 @@ from .decompositions import decomposition_table
 from .graph_compiler import make_inner_compile
 from .guard.faults import parse_fault_spec
 from .options import Options
-from .passes import PassFailed, PassManager
+from .passes import PassFailed, PassManager, module_state
 from .report import FallbackKind, report
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
     pristine = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # compile_fx may mutate the graph
     while True:
         try:
-            compiled = _compile_with_enn(_fresh(pristine), example_inputs, opts, unit)
+            compiled = _compile_with_enn(_fresh(pristine), example_inputs, opts, unit, pristine)
             log.debug("enn compiled %s in %.2fs", unit, time.perf_counter() - t0)
             return compiled
         except PassFailed as exc:
@@ -73,7 +73,8 @@ def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
 
-def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str) -> Callable[..., Any]:
+def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str,
+                      pristine: fx.GraphModule) -> Callable[..., Any]:
     patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
     # joint_pre runs before Inductor's joint-graph passes (its fuse_attention would take
     # attention patterns first, with other masked-row semantics); joint runs after them.
@@ -83,9 +84,60 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     if opts.emulate_precision_casts:
         patches["emulate_precision_casts"] = True
     inner = make_inner_compile(opts, unit, patches, parse_fault_spec(opts.fault_inject))
-    with compat.no_aot_autograd_cache():
-        return compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
-                                 decompositions=decomposition_table(opts.precision))
+    with compat.no_aot_autograd_cache(), module_state(example_inputs) as state:
+        compiled = compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
+                                     decompositions=decomposition_table(opts.precision))
+    if state.assumed:
+        return BufferContentGuard(compiled, _fresh(pristine), state.assumed, unit)
+    return compiled
+
+
+class BufferContentGuard:
+    """Runs a graph compiled for the content of some module buffers only while they keep it.
+
+    A pass may compile a buffer's content into the graph (nanoGPT's ``tril`` mask buffer
+    becomes a causal flag). Dynamo guards neither the values nor the identity of module
+    buffers, so before each call this checks each such buffer: same storage and version
+    counter as last checked is free; otherwise its content is compared with the compiled-for
+    copy once (one device sync). A buffer whose content changed makes the call run the
+    captured graph eagerly -- correct for any content -- recorded as a fallback and logged.
+    """
+
+    def __init__(self, compiled: Callable[..., Any], eager: fx.GraphModule, assumed: dict[int, torch.Tensor],
+                 unit: str) -> None:
+        self.compiled, self.eager, self.unit = compiled, eager, unit
+        self.assumed = assumed
+        self.seen: dict[int, tuple[int, int]] = {}  # index -> (data_ptr, _version) last found equal
+        self.changed: set[int] = set()
+
+    def _unchanged(self, args: Sequence[Any]) -> bool:
+        ok = True
+        for i, want in self.assumed.items():
+            x = args[i]
+            key = (x.data_ptr(), x._version)
+            if self.seen.get(i) == key:
+                continue
+            if x.shape == want.shape and x.dtype == want.dtype and x.device == want.device and torch.equal(x, want):
+                self.seen[i] = key
+                continue
+            ok = False
+            if i not in self.changed:
+                self.changed.add(i)
+                report().add_fallback(FallbackKind.BUFFER_CHANGED, node=f"input {i}", phase="forward", graph=self.unit,
+                                      reason=f"module buffer (graph input {i}) no longer holds the content {self.unit} "
+                                             "was compiled for (e.g. its mask is no longer causal)",
+                                      action="this graph runs eagerly while the buffer differs")
+        return ok
+
+    def __call__(self, *args: Any) -> Any:
+        boxed = len(args) == 1 and isinstance(args[0], list)  # called with one list of inputs
+        flat = args[0] if boxed else args
+        if self._unchanged(flat):
+            return self.compiled(*args)
+        out = self.eager(*flat)
+        if boxed:
+            flat.clear()  # the boxed convention: the callee owns (and frees) the argument list
+        return out
 
 
 def _plain_inductor_or_eager(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str) -> Callable[..., Any]:

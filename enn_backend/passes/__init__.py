@@ -13,13 +13,14 @@ raises leaves enn to recompile the graph without it (recorded in the report).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 import torch.fx as fx
 
@@ -38,6 +39,63 @@ class PassFailed(RuntimeError):
         self.pass_name = pass_name
         self.option = option
         self.cause = cause
+
+
+class ModuleState:
+    """The real values of the module buffers a graph reads, for the graph being compiled.
+
+    Dynamo passes a module's parameters and buffers as graph inputs and marks them
+    (``_dynamo_static_input_type``); the joint graph sees them as fake tensors. A pass may
+    specialize on a *buffer's content* -- nanoGPT's ``tril`` mask buffer is causal -- through
+    :meth:`value_of`; every content it relies on is recorded with :meth:`assume`, and the
+    backend checks those buffers before each call (enn_backend.backend.BufferContentGuard):
+    a buffer whose content changed runs the graph eagerly, recorded, instead of a graph
+    compiled for the old content.
+    """
+
+    def __init__(self, inputs: list[Any]) -> None:
+        self.inputs = list(inputs)
+        self.assumed: dict[int, Any] = {}  # input index -> the content relied on (a copy)
+
+    def value_of(self, node: fx.Node) -> tuple[int, Any] | None:
+        """(input index, real tensor) if placeholder ``node`` is a module buffer of this compile."""
+        import torch
+
+        if node.op != "placeholder":
+            return None
+        primals = [n for n in node.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+        if len(primals) != len(self.inputs):
+            return None  # AOT deduplicated or regrouped inputs: the order is not the Dynamo order
+        i = primals.index(node)
+        x = self.inputs[i]
+        fake = node.meta.get("val")
+        if (not isinstance(x, torch.Tensor) or getattr(x, "_dynamo_static_input_type", None) is None
+                or isinstance(x, torch.nn.Parameter) or x.requires_grad or not isinstance(fake, torch.Tensor)
+                or tuple(fake.shape) != tuple(x.shape) or fake.dtype != x.dtype or fake.device != x.device):
+            return None  # only a module buffer whose value is the one being compiled
+        return i, x
+
+    def assume(self, index: int, value: Any) -> None:
+        with compat.real_tensor_mode():  # passes run inside the compile's FakeTensorMode
+            self.assumed[index] = value.detach().clone()
+
+
+_MODULE_STATE: list[ModuleState] = []
+
+
+@contextlib.contextmanager
+def module_state(inputs: list[Any]) -> Iterator[ModuleState]:
+    """Make the real example inputs of one compile visible to the passes."""
+    state = ModuleState(inputs)
+    _MODULE_STATE.append(state)
+    try:
+        yield state
+    finally:
+        _MODULE_STATE.pop()
+
+
+def current_module_state() -> ModuleState | None:
+    return _MODULE_STATE[-1] if _MODULE_STATE else None
 
 
 @dataclass

@@ -26,6 +26,7 @@ dropout between softmax and the second matmul, an intermediate used elsewhere) i
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -36,7 +37,7 @@ import torch.fx as fx
 from .. import compat
 from ..attention_policy import AttentionProblem, choose
 from ..report import FallbackKind, report
-from . import EnnPass, PassContext
+from . import EnnPass, PassContext, current_module_state
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -110,6 +111,7 @@ class Match:
     bias_terms: list = field(default_factory=list)  # (node, factor)
     masks: list = field(default_factory=list)  # (cond node, keep_when_true, fill)
     region_roots: list = field(default_factory=list)  # nodes where the region starts
+    dtype: Optional[torch.dtype] = None  # the dtype the matmuls run in (q / k / v are cast to it)
 
 
 def _softmax_input(n: fx.Node) -> Optional[fx.Node]:
@@ -144,14 +146,16 @@ def _qk(n: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float, bool]]:
         return None
     a, b = mm.args
     scale = 1.0
-    q = _skip_views(a)
-    kt = _skip_views(b)
+    # Casts are skipped too: under autocast Q / Kᵀ reach the bmm through a cast to its dtype
+    # (LLaMA's RoPE makes q, k fp32); the rewrite casts q / k / v to the bmm dtype again.
+    q = _skip_views(a, also=tuple(_CAST))
+    kt = _skip_views(b, also=tuple(_CAST))
     for side in ("q", "k"):
         node = q if side == "q" else kt
         while _is(node, aten.mul.Tensor, aten.div.Tensor) and _scalar(node.args[1]) is not None:
             c = _scalar(node.args[1])
             scale = scale * c if node.target is aten.mul.Tensor else scale / c
-            node = _skip_views(node.args[0])
+            node = _skip_views(node.args[0], also=tuple(_CAST))
         if side == "q":
             q = node
         else:
@@ -166,7 +170,7 @@ def _qk(n: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float, bool]]:
     while _is(k, aten.mul.Tensor, aten.div.Tensor) and _scalar(k.args[1]) is not None:
         c = _scalar(k.args[1])
         scale = scale * c if k.target is aten.mul.Tensor else scale / c
-        k = _skip_views(k.args[0])
+        k = _skip_views(k.args[0], also=tuple(_CAST))
     want = 3 if three_d else 4
     if len(_shape(q)) != want or len(_shape(k)) != want:
         return None
@@ -190,11 +194,17 @@ def _peel_scores(x: fx.Node, m: dict) -> Optional[tuple]:
     factor = 1.0  # product of the scale factors applied outside the current node
     n = x
     while True:
-        got = _qk(n)
-        if got is not None:
-            q, k, s, three_d = got
-            return q, k, s * factor, three_d
-        n = _skip_views(n, also=tuple(_CAST))
+        # Step through casts and views one node at a time: the 4-D view of the Q·Kᵀ bmm must be
+        # seen before it is skipped (softmax(scores.float()) puts a cast right above it).
+        while True:
+            got = _qk(n)
+            if got is not None:
+                q, k, s, three_d = got
+                return q, k, s * factor, three_d
+            nxt = _skip_views(n, also=tuple(_CAST))
+            if nxt is n:
+                break
+            n = n.args[0]
         if _is(n, aten.where.self):
             cond, a, b = n.args
             fa, fb = _fill(a), _fill(b)
@@ -248,7 +258,7 @@ def match_at(bmm: fx.Node) -> Optional[Match]:
     if got is None:
         return None
     q, k, scale, three_d = got
-    v = _skip_views(vv)
+    v = _skip_views(vv, also=tuple(_CAST))
     out = bmm
     if not three_d:
         users = list(bmm.users)
@@ -259,7 +269,8 @@ def match_at(bmm: fx.Node) -> Optional[Match]:
         return None
     if any(f != 1.0 and fill != float("-inf") for _, _, fill, f in m["masks"]):
         return None  # a finite fill that was rescaled afterwards is no longer finfo.min
-    return Match(out=out, q=q, k=k, v=v, scale=scale, three_d=three_d, bias_terms=m["bias"], masks=m["masks"])
+    return Match(out=out, q=q, k=k, v=v, scale=scale, three_d=three_d, bias_terms=m["bias"], masks=m["masks"],
+                 dtype=_val(bmm).dtype)
 
 
 def _gqa_base(n: fx.Node) -> tuple[fx.Node, int]:
@@ -287,7 +298,13 @@ def _constant_value(n: fx.Node, probe: Optional[int] = None) -> Optional[torch.T
     With ``probe``, symbolic sizes (SymInt placeholders, ``sym_size``) are allowed and every
     one of them is evaluated as ``probe``: the mask a dynamic-shape graph builds from its
     sizes, seen at that size.
+
+    A module buffer (nanoGPT's ``tril`` mask) counts as a constant: its real value is read from
+    the compile's :class:`ModuleState`, and each buffer read is appended to ``BUFFER_READS`` so
+    the rewrite can record the content it relied on.
     """
+    state = current_module_state()
+    buffers: dict = {}
     order: list[fx.Node] = []
     seen: set = set()
     stack = [n]
@@ -300,6 +317,12 @@ def _constant_value(n: fx.Node, probe: Optional[int] = None) -> Optional[torch.T
             if probe is None:
                 return None
             order.append(x)
+            continue
+        if x.op == "placeholder" and state is not None:
+            got = state.value_of(x)
+            if got is None or got[1].numel() > _EVAL_LIMIT:
+                return None
+            buffers[x] = got
             continue
         if x.op != "call_function":
             return None
@@ -316,9 +339,12 @@ def _constant_value(n: fx.Node, probe: Optional[int] = None) -> Optional[torch.T
     env: dict = {}
     try:
         with compat.real_tensor_mode():  # joint passes run inside a FakeTensorMode
-            for x in sorted(order, key=_topo_index(n.graph)):
+            for x in sorted(order + list(buffers), key=_topo_index(n.graph)):
                 if _is_size_symbol(x):
                     env[x] = probe
+                    continue
+                if x in buffers:
+                    env[x] = buffers[x][1]
                     continue
                 args = fx.map_arg(x.args, lambda a: env[a])
                 kwargs = fx.map_arg(x.kwargs, lambda a: env[a])
@@ -327,7 +353,15 @@ def _constant_value(n: fx.Node, probe: Optional[int] = None) -> Optional[torch.T
         log.debug("enn attention: constant mask %s not evaluated: %s", n.name, exc)
         return None
     out = env[n]
-    return out if type(out) is torch.Tensor else None  # a FakeTensor means fake mode was active
+    if type(out) is not torch.Tensor:
+        return None  # a FakeTensor means fake mode was active
+    BUFFER_READS.extend(buffers.values())
+    return out
+
+
+# (input index, real tensor) of every module buffer a constant evaluation read; _Rewrite.run
+# turns the reads its classification relied on into ModuleState assumptions.
+BUFFER_READS: list = []
 
 
 _TOPO: dict = {}
@@ -508,9 +542,20 @@ class _Rewrite:
         bias_terms = list(m.bias_terms)
         minfill_masks: list = []
         alibi = alibi_term = None
+        relied: list = []  # module buffers whose content a classification below relied on
+
+        def classified(fn, *args):
+            start = len(BUFFER_READS)
+            got = fn(*args)
+            if got is not None:
+                relied.extend(BUFFER_READS[start:])
+            del BUFFER_READS[start:]
+            return got
+
         with compat.real_tensor_mode():  # constant masks are evaluated on real tensors
             for cond, keep_when_true, fill, _factor in m.masks:
-                cls = _mask_structure(cond, tq, tk, lambda cv, kt=keep_when_true: (cv if kt else ~cv) if cv.dtype == torch.bool else None)
+                cls = classified(_mask_structure, cond, tq, tk,
+                                 lambda cv, kt=keep_when_true: (cv if kt else ~cv) if cv.dtype == torch.bool else None)
                 if cls is not None:
                     kind, w = cls
                     if kind == "none":
@@ -523,14 +568,14 @@ class _Rewrite:
                     minfill_masks.append((cond, keep_when_true, fill))
             structural_bias = []
             for term, factor in bias_terms:
-                cls = _mask_structure(term, tq, tk, _additive_keep) if factor == 1.0 else None
+                cls = classified(_mask_structure, term, tq, tk, _additive_keep) if factor == 1.0 else None
                 if cls is not None:
                     # an additive mask of 0 / -inf / finfo.min built from constants (LLaMA's causal mask)
                     if cls[0] != "none":
                         causal, window = True, (cls[1] if cls[0] == "window" else window)
                     continue
                 if alibi is None and factor == 1.0:
-                    found = _alibi_slopes(term, tq, tk, 1 if m.three_d else _shape(q)[1])
+                    found = classified(_alibi_slopes, term, tq, tk, 1 if m.three_d else _shape(q)[1])
                     if found is not None:
                         alibi, alibi_term = found, term
                         continue
@@ -543,7 +588,7 @@ class _Rewrite:
         region = _region(m.out, inputs)
         training = any(n.op == "placeholder" and _is_bwd(n) for n in self.g.nodes)
         bwd = _backward_region(self.g, region, inputs) if training else set()
-        _check_closed(region, bwd, m.out)
+        _check_closed(region, bwd, m.out, inputs)
         exits = _exits(bwd) if training else []
         grads = _map_exits(exits, inputs, region, bwd) if training else {}
         grad_out = _grad_out(bwd, region, inputs, m.out) if grads else None
@@ -556,9 +601,9 @@ class _Rewrite:
             raise _Skip("gradient needed for a bias built from several terms")
         # ---- build the op's inputs
         before = m.out
-        q4, k4, v4 = q, k_base, v_base
+        q4, k4, v4 = (self._cast(t, m.dtype, before) for t in (q, k_base, v_base))
         if m.three_d:
-            q4, k4, v4 = (self.call(aten.unsqueeze.default, (t, 1), before=before) for t in (q, k_base, v_base))
+            q4, k4, v4 = (self.call(aten.unsqueeze.default, (t, 1), before=before) for t in (q4, k4, v4))
         bias = None
         for term, factor in bias_terms:
             t = term if factor == 1.0 else self.call(aten.mul.Tensor, (term, factor), before=before)
@@ -592,12 +637,21 @@ class _Rewrite:
                 if not n.users:
                     self.g.erase_node(n)
             return False
-        masked_rows = "zero" if self.opts.masked_rows == "zero" else "eager"
-        fwd = self.call(torch.ops.enn.attention.default,
-                        (q4, k4, v4, bias, mask, alibi_node, float(m.scale), causal, int(window), 0.0, masked_rows, backend),
-                        before=before)
-        out = self.call(operator.getitem, (fwd, 0), before=before)
-        lse = self.call(operator.getitem, (fwd, 1), before=before)
+        native = self._native_plan(backend, mask, bias, alibi_node, window, bias_grad, bias_terms, minfill_masks)
+        if native:
+            k_full, v_full = k4, v4
+            if rep_k > 1 and (k_base is not k):  # kernels without grouped-query K/V: the graph's repeat
+                k_full, v_full = (self._cast(t, m.dtype, before) for t in (k, v))
+            kern = _NativeKernel(self, backend, q4, k_full, v_full, self._native_bias(bias, q4, k_full, before),
+                                 float(m.scale), causal)
+            out = kern.forward(before)
+        else:
+            masked_rows = "zero" if self.opts.masked_rows == "zero" else "eager"
+            fwd = self.call(torch.ops.enn.attention.default,
+                            (q4, k4, v4, bias, mask, alibi_node, float(m.scale), causal, int(window), 0.0, masked_rows,
+                             backend), before=before)
+            out = self.call(operator.getitem, (fwd, 0), before=before)
+            lse = self.call(operator.getitem, (fwd, 1), before=before)
         res = out
         if m.three_d:
             res = self.call(aten.squeeze.dim, (out, 1), before=before)
@@ -609,21 +663,91 @@ class _Rewrite:
             g_in = grad_out
             if m.three_d:
                 g_in = self.call(aten.unsqueeze.default, (grad_out, 1), before=first_bwd)
-            b = self.call(torch.ops.enn.attention_backward.default,
-                          (g_in, q4, k4, v4, bias, mask, alibi_node, out, lse, float(m.scale), causal, int(window),
-                           masked_rows, backend, bias_grad), before=first_bwd)
+            if native:
+                dq, dk, dv = kern.backward(g_in, first_bwd)
+                if k_full is not k4:  # sum the repeated heads' gradients back onto the K/V heads
+                    dk, dv = (self._fold_heads(t, k4, first_bwd) for t in (dk, dv))
+                parts = [dq, dk, dv]
+            else:
+                b = self.call(torch.ops.enn.attention_backward.default,
+                              (g_in, q4, k4, v4, bias, mask, alibi_node, out, lse, float(m.scale), causal, int(window),
+                               masked_rows, backend, bias_grad), before=first_bwd)
+                parts = [self.call(operator.getitem, (b, i), before=first_bwd) for i in range(4)]
             for idx, exit_node in grads.items():
-                gi = self.call(operator.getitem, (b, min(idx, 3)), before=first_bwd)
+                gi = parts[min(idx, 3)]
                 if m.three_d and idx < 3:
                     gi = self.call(aten.squeeze.dim, (gi, 1), before=first_bwd)
+                gi = self._cast(gi, _val(exit_node).dtype, first_bwd)
                 if _shape(gi) != _shape(exit_node):
                     raise _Skip(f"gradient shape {_shape(gi)} != {_shape(exit_node)}")
                 exit_node.replace_all_uses_with(gi)
+        if native:
+            self.reason += "; emitted as the ATen kernel itself (no fully-masked row is possible)"
+        state = current_module_state()
+        for index, value in relied:
+            state.assume(index, value)
+            self.reason += f"; mask buffer (input {index}) checked {'causal' if causal else 'structural'} at compile time, its content guarded per call"
         self.ctx.kernel_choice(m.out.name, backend, self.reason,
                                causal=causal, window=window, gqa=_hint(_shape(q4)[1]) != _hint(_shape(k4)[1]),
                                mask=mask is not None, bias=bias is not None, alibi=alibi_node is not None,
                                training=bool(grads))
         return True
+
+    # -- ATen kernels emitted directly
+    def _native_plan(self, backend, mask, bias, alibi, window, bias_grad, bias_terms, minfill_masks) -> bool:
+        """Whether the chosen kernel can be emitted as its ATen op, with no ``enn::attention`` around it.
+
+        That op's Python body exists for what the kernels do not do themselves: boolean masks,
+        ALiBi / window structure, the NaN of a row whose keys are all masked. Without those,
+        the kernel computes exactly what the user wrote; emitting it directly saves the custom
+        op's per-call cost and gives the backward the kernel's own saved statistics (no
+        recompute). A bias qualifies only if it cannot hold -inf (``_finite_bias``).
+        """
+        if backend not in _NATIVE_BACKENDS or mask is not None or alibi is not None or window > 0:
+            return False
+        if bias is None:
+            return True
+        if backend not in ("efficient", "cpu_flash") or bias_grad:
+            return False
+        if not all(_finite_bias(t) for t, _ in bias_terms):
+            return False
+        tk = _shape(bias)[-1]
+        return isinstance(tk, int) and tk % 8 == 0  # the kernels' bias alignment (else SDPA pads a copy)
+
+    def _native_bias(self, bias, q4, k4, before):
+        """The bias in the kernel's dtype and 4-D shape. A provably finite bias stays finite:
+        it is clamped to the kernel dtype's range before the cast (fp32 finfo.min -> bf16 is -inf)."""
+        if bias is None:
+            return None
+        dt = _val(q4).dtype
+        if _val(bias).dtype != dt:
+            bias = self.call(aten.clamp.default, (bias, torch.finfo(dt).min, torch.finfo(dt).max), before=before)
+            bias = self._cast(bias, dt, before)
+        while len(_shape(bias)) < 4:
+            bias = self.call(aten.unsqueeze.default, (bias, 0), before=before)
+        qs, ks = _shape(q4), _shape(k4)
+        want = [qs[0], qs[1], qs[2], ks[2]]
+        if list(_shape(bias)) != want:
+            bias = self.call(aten.expand.default, (bias, [self._size(q4, 0), self._size(q4, 1), self._size(q4, 2),
+                                                         self._size(k4, 2)]), before=before)
+        return bias
+
+    def _size(self, n: fx.Node, dim: int) -> Any:
+        s = _shape(n)[dim]
+        return s if isinstance(s, int) else self.call(aten.sym_size.int, (n, dim), before=self.m.out)
+
+    def _fold_heads(self, g: fx.Node, base: fx.Node, before: fx.Node) -> fx.Node:
+        """[B, Hq, T, D] gradient of repeated K/V -> [B, Hkv, T, D] (head h reads K/V head h // rep)."""
+        b, hq, t, d = (self._size(g, i) for i in range(4))
+        hkv = _shape(base)[1]
+        rep = _hint(_shape(g)[1]) // _hint(hkv)
+        v5 = self.call(aten.view.default, (g, [b, self._size(base, 1), rep, t, d]), before=before)
+        return self.call(aten.sum.dim_IntList, (v5, [2]), before=before)
+
+    def _cast(self, n: fx.Node, dtype: Optional[torch.dtype], before: fx.Node) -> fx.Node:
+        if dtype is None or _val(n).dtype == dtype:
+            return n
+        return self.call(prims.convert_element_type.default, (n, dtype), before=before)
 
     def _choose(self, q, k, v, mask, bias, bias_grad, causal, window, training, alibi=False) -> str:
         qv, kv, vv = _val(q), _val(k), _val(v)
@@ -643,6 +767,105 @@ class _Rewrite:
             report().add_fallback(FallbackKind.KERNEL_CHOICE, node=self.m.out.name, phase="compile", graph=self.ctx.unit,
                                   reason=c.forced_failed, action=f"using {c.backend} ({c.reason})")
         return c.backend
+
+
+_NATIVE_BACKENDS = ("flash", "cudnn", "efficient", "cpu_flash")
+
+
+class _NativeKernel:
+    """One SDPA kernel's forward and backward ATen ops, wired as AOT Autograd wires them for
+    ``F.scaled_dot_product_attention`` (the same ops, argument order and saved outputs)."""
+
+    def __init__(self, rw: "_Rewrite", backend: str, q, k, v, bias, scale: float, causal: bool) -> None:
+        self.rw, self.backend, self.q, self.k, self.v, self.bias = rw, backend, q, k, v, bias
+        self.scale, self.causal = scale, causal
+        self.saved: list = []
+
+    def _outs(self, node, n: int, before) -> list:
+        return [self.rw.call(operator.getitem, (node, i), before=before) for i in range(n)]
+
+    def forward(self, before) -> fx.Node:
+        q, k, v, s, c = self.q, self.k, self.v, self.scale, self.causal
+        if self.backend == "flash":
+            f = self.rw.call(aten._scaled_dot_product_flash_attention.default, (q, k, v, 0.0, c, False), {"scale": s},
+                             before=before)
+            self.saved = self._outs(f, 8, before)  # out, lse, cum_q, cum_k, max_q, max_k, seed, offset
+        elif self.backend == "cudnn":
+            f = self.rw.call(aten._scaled_dot_product_cudnn_attention.default, (q, k, v, None, True, 0.0, c, False),
+                             {"scale": s}, before=before)
+            self.saved = self._outs(f, 8, before)
+        elif self.backend == "efficient":
+            f = self.rw.call(aten._scaled_dot_product_efficient_attention.default, (q, k, v, self.bias, True, 0.0, c),
+                             {"scale": s}, before=before)
+            self.saved = self._outs(f, 4, before)  # out, lse, seed, offset
+        else:  # cpu_flash
+            f = self.rw.call(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v, 0.0, c),
+                             {"attn_mask": self.bias, "scale": s}, before=before)
+            self.saved = self._outs(f, 2, before)  # out, lse
+        return self.saved[0]
+
+    def backward(self, g, before) -> list:
+        q, k, v, s, c, sv = self.q, self.k, self.v, self.scale, self.causal, self.saved
+        out, lse = sv[0], sv[1]
+        if self.backend == "flash":
+            b = self.rw.call(aten._scaled_dot_product_flash_attention_backward.default,
+                             (g, q, k, v, out, lse, sv[2], sv[3], sv[4], sv[5], 0.0, c, sv[6], sv[7]), {"scale": s},
+                             before=before)
+        elif self.backend == "cudnn":
+            b = self.rw.call(aten._scaled_dot_product_cudnn_attention_backward.default,
+                             (g, q, k, v, out, lse, sv[6], sv[7], None, sv[2], sv[3], sv[4], sv[5], 0.0, c),
+                             {"scale": s}, before=before)
+        elif self.backend == "efficient":
+            b = self.rw.call(aten._scaled_dot_product_efficient_attention_backward.default,
+                             (g, q, k, v, self.bias, out, lse, sv[2], sv[3], 0.0, [True, True, True, False], c),
+                             {"scale": s}, before=before)
+        else:
+            b = self.rw.call(aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+                             (g, q, k, v, out, lse, 0.0, c), {"attn_mask": self.bias, "scale": s}, before=before)
+        return self._outs(b, 3, before)
+
+
+# Ops a bias may be built with and stay finite (given finite inputs): shape ops and casts.
+_FINITE_SHAPE_OPS = _VIEWS | _CAST | {aten.expand.default, aten.clone.default, aten.unsqueeze.default,
+                                      aten.slice.Tensor, aten.permute.default, aten.squeeze.dim}
+
+
+def _finite_bias(n: Any, depth: int = 0) -> bool:
+    """Whether an additive bias provably holds no -inf / NaN, so no score row can be fully masked.
+
+    Accepted: finite constants, integer / boolean tensors (attention masks), shape ops and casts
+    of those, ``where`` between finite values, and a 0/1 mask scaled and shifted by finite numbers
+    (HF's ``(1 - mask) * finfo.min``: attention masks hold 0 and 1). Anything else -- a learned
+    bias, a user tensor, a ``-inf`` fill -- is not, and keeps enn::attention's dead-row handling.
+    """
+    if isinstance(n, bool):
+        return True
+    if isinstance(n, (int, float)):
+        return math.isfinite(n)
+    if not isinstance(n, fx.Node) or depth > 32:
+        return False
+    v = _val(n)
+    if isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex():
+        return True  # integer / boolean values are finite
+    if n.op != "call_function":
+        return False
+    t = n.target
+    if t in _FINITE_SHAPE_OPS:
+        return _finite_bias(n.args[0], depth + 1)
+    if t in (aten.full.default, aten.scalar_tensor.default):
+        return _finite_bias(n.args[1] if t is aten.full.default else n.args[0], depth + 1)
+    if t is aten.where.self:
+        return _finite_bias(n.args[1], depth + 1) and _finite_bias(n.args[2], depth + 1)
+    if t in (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.rsub.Scalar, aten.rsub.Tensor, aten.div.Tensor):
+        a, b = n.args[0], n.args[1]
+        scalars = [x for x in (a, b) if _scalar(x) is not None]
+        if not scalars or not all(math.isfinite(_scalar(x)) for x in scalars):
+            return False
+        if t is aten.div.Tensor and _scalar(b) in (None, 0.0):
+            return False
+        tensors = [x for x in (a, b) if _scalar(x) is None]
+        return all(_finite_bias(x, depth + 1) for x in tensors)
+    return False
 
 
 def _hint(s: Any) -> int:
@@ -707,10 +930,18 @@ def _backward_region(graph: fx.Graph, region: set, inputs: list) -> set:
     return bwd
 
 
-def _check_closed(region: set, bwd: set, out: fx.Node) -> None:
-    """Every intermediate of the forward region is used only by the region or its backward."""
+def _check_closed(region: set, bwd: set, out: fx.Node, inputs: list) -> None:
+    """Every intermediate of the forward region is used only by the region or its backward.
+
+    Constants (positions, masks built from sizes) depend on no input: the layers of a model
+    share them after CSE, and leaving them in the graph for other users costs nothing.
+    """
+    on_path: set = set(inputs)
+    for n in sorted(region, key=_topo_index(out.graph)):
+        if any(a in on_path for a in n.all_input_nodes):
+            on_path.add(n)
     for n in region:
-        if n is out:
+        if n is out or n not in on_path:
             continue
         for u in n.users:
             if u not in region and u not in bwd:
