@@ -52,6 +52,7 @@ class AttentionProblem:
     training: bool
     dropout: float = 0.0
     exporting: bool = False
+    bias_finite: bool = False  # the bias provably holds no -inf (e.g. HF's (1 - mask) * finfo.min)
 
 
 Checker = Callable[[AttentionProblem], "tuple[bool, str]"]
@@ -110,10 +111,8 @@ def check_cudnn(p: AttentionProblem) -> tuple[bool, str]:
         return False, f"cuDNN attention needs fp16/bf16, have {p.dtype}"
     if p.window > 0:
         return False, "cuDNN (SDPA) has no sliding window"
-    if p.has_mask and not p.has_bias:
-        return False, "cuDNN takes a float bias, not a boolean mask"
-    if p.bias_grad:
-        return False, "cuDNN attention gives no bias gradient"
+    if p.has_mask or p.has_bias:
+        return False, "enn runs cuDNN attention without a mask or bias tensor (bias goes to memory-efficient)"
     if p.head_dim > 128 or p.head_dim % 8 or p.head_dim != p.head_dim_v:
         return False, f"cuDNN needs equal head dims, a multiple of 8, <= 128 (have {p.head_dim}/{p.head_dim_v})"
     if p.heads_q != p.heads_kv:
@@ -174,12 +173,14 @@ def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
         # called from inside enn::attention runs uncompiled, 31.4 ms vs Inductor's fused 5.8 ms.
         return True, ("CUDA ALiBi/window: FlexAttention inside an extern op runs uncompiled (31.4 ms vs "
                       "Inductor 5.8 ms measured); Inductor's own fused code is faster until enn lowers flex in-graph")
-    if p.device == "cuda" and (p.has_mask or p.has_bias):
-        # Measured on an H200 (bench/results/gpu-h200/gpu.md, bf16): SDPA with a mask/bias tensor
-        # ran slower than Inductor's own fused code (BERT inference 1.93 vs 1.19 ms, T5 2.27 vs
-        # 1.04 ms), and its bias-gradient path failed in BERT/T5 training ("view size is not
-        # compatible"). Until that is understood, such attention stays with Inductor.
-        return True, "CUDA attention with a mask/bias tensor: Inductor's fused code measured faster than SDPA with a mask"
+    if p.device == "cuda" and (p.has_mask or (p.has_bias and (p.bias_grad or not p.bias_finite))):
+        # A boolean mask, a bias that may hold -inf or one that needs a gradient runs inside
+        # enn::attention's Python body (dead-row handling, recompute backward). Measured on an
+        # H200 (bench/results/gpu-h200/gpu.md, bf16) that was slower than Inductor's own fused
+        # code (BERT inference 1.93 vs 1.19 ms, T5 2.27 vs 1.04 ms). A provably finite bias
+        # without gradient (padding masks) is emitted as the memory-efficient kernel itself.
+        return True, ("CUDA attention with a mask tensor, a bias that may hold -inf or a bias gradient: "
+                      "Inductor's fused code measured faster than enn::attention's mask path")
     return False, "only for tiny CPU problems and CUDA ALiBi / window structure / mask tensors"
 
 

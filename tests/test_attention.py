@@ -440,13 +440,21 @@ def test_explicit_backend_forced():
 
 # ----------------------------------------------------------------------------- fault injection
 def test_fault_injection_after_attention():
+    """A NaN from the fused attention is caught and blamed on it, whether the pass emitted the
+    ATen kernel itself (causal, no mask tensor) or enn::attention (a runtime boolean mask)."""
     q, k, v = qkv(grad=False)
-    ref = causal_tril(q, k, v)
-    cf = torch.compile(causal_tril, backend="enn", options={"fault_inject": "enn.attention:nan:fwd"})
-    out = cf(q, k, v)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    fbs = enn_backend.report().to_dict()["fallbacks"]
-    assert any(f["kind"] == "nonfinite" and "attention" in f["node"] for f in fbs), fbs
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 4:] = False
+    cases = [(causal_tril, (q, k, v), "aten._scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product"),
+             (bool_padding_neg_inf, (q, k, v, keep), "enn.attention", "attention")]
+    for fn, args, op, node in cases:
+        torch._dynamo.reset()
+        enn_backend.reset()
+        ref = fn(*args)
+        out = torch.compile(fn, backend="enn", options={"fault_inject": f"{op}:nan:fwd"})(*args)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, equal_nan=True)
+        fbs = enn_backend.report().to_dict()["fallbacks"]
+        assert any(f["kind"] == "nonfinite" and node in f["node"] for f in fbs), (op, fbs)
 
 
 def alibi_causal(q, k, v, slopes):

@@ -629,8 +629,10 @@ class _Rewrite:
         alibi_node = None
         if alibi is not None:
             alibi_node = self.call(aten.view.default, (alibi, [_shape(q4)[1]]), before=before)
+        bias_finite = bias is not None and all(_finite_bias(t) for t, _ in bias_terms) and all(
+            _finite_bias(c) for c, _, _ in minfill_masks)
         backend = self._choose(q4, k4, v4, mask, bias, bias_grad, causal, window, training and bool(grads),
-                               alibi_node is not None)
+                               alibi_node is not None, bias_finite)
         if backend == "inductor":  # the policy leaves it to Inductor: undo the helper nodes
             self.ctx.kernel_choice(m.out.name, "inductor", self.reason, fused=False)
             for n in reversed(self.created):
@@ -709,7 +711,7 @@ class _Rewrite:
             return True
         if backend not in ("efficient", "cpu_flash") or bias_grad:
             return False
-        if not all(_finite_bias(t) for t, _ in bias_terms):
+        if not all(_finite_bias(t) for t, _ in bias_terms) or not all(_finite_bias(c) for c, _, _ in minfill_masks):
             return False
         tk = _shape(bias)[-1]
         return isinstance(tk, int) and tk % 8 == 0  # the kernels' bias alignment (else SDPA pads a copy)
@@ -721,7 +723,8 @@ class _Rewrite:
             return None
         dt = _val(q4).dtype
         if _val(bias).dtype != dt:
-            bias = self.call(aten.clamp.default, (bias, torch.finfo(dt).min, torch.finfo(dt).max), before=before)
+            bias = self.call(aten.clamp_min.default, (bias, torch.finfo(dt).min), before=before)
+            bias = self.call(aten.clamp_max.default, (bias, torch.finfo(dt).max), before=before)
             bias = self._cast(bias, dt, before)
         while len(_shape(bias)) < 4:
             bias = self.call(aten.unsqueeze.default, (bias, 0), before=before)
@@ -749,7 +752,7 @@ class _Rewrite:
             return n
         return self.call(prims.convert_element_type.default, (n, dtype), before=before)
 
-    def _choose(self, q, k, v, mask, bias, bias_grad, causal, window, training, alibi=False) -> str:
+    def _choose(self, q, k, v, mask, bias, bias_grad, causal, window, training, alibi=False, bias_finite=False) -> str:
         qv, kv, vv = _val(q), _val(k), _val(v)
         dev = qv.device
         cap = (0, 0)
@@ -760,7 +763,7 @@ class _Rewrite:
             head_dim=_hint(qv.shape[-1]), head_dim_v=_hint(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
             heads_q=_hint(qv.shape[1]), heads_kv=_hint(kv.shape[1]), causal=causal, window=window,
             has_mask=mask is not None, has_bias=bias is not None, bias_grad=bias_grad, alibi=alibi,
-            training=training)
+            training=training, bias_finite=bias_finite)
         c = choose(p, self.opts.attention_backend, self.opts.attention_order)
         self.reason = c.reason
         if c.forced_failed:

@@ -1,0 +1,113 @@
+"""Attention as real model code writes it, end to end: the zoo's GPT-2 (tril mask buffer), LLaMA
+(RoPE under autocast, GQA, additive triu mask), BERT (HF padding mask) and ViT under bf16
+autocast training. Each attention must be fused, run as the ATen kernel itself where no row can
+be fully masked, and give eager's loss and gradients.
+
+CPU runs ATen's CPU flash kernel (forced: the CPU policy leaves attention to Inductor by
+default); the GPU test runs the default CUDA policy (cuDNN / flash / memory-efficient).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend.bench import zoo
+from enn_backend.passes import attention as A
+
+MODELS = ("gpt2_naive", "llama", "bert", "vit")
+ONE_LAYER = {"gpt2_naive": {"n_layer": 1}, "llama": {"n_layer": 1}, "bert": {"n_layer": 1}, "vit": {"depth": 1}}
+
+
+def _train_step(run, model, batch, loss_fn, device_type):
+    with torch.autocast(device_type, dtype=torch.bfloat16):
+        loss = loss_fn(run(*batch.args), batch.target)
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.detach().float() for n, p in model.named_parameters()}
+
+
+def _check_model(name, device, options):
+    entry = zoo.build(name, "cpu-small", device=device, **ONE_LAYER[name])
+    reference = copy.deepcopy(entry.model)
+    batch = entry.make_inputs(0)
+    compiled = torch.compile(entry.model, backend="enn", options=options)
+    loss, grads = _train_step(compiled, entry.model, batch, entry.loss_fn, torch.device(device).type)
+    want_loss, want_grads = _train_step(reference, reference, batch, entry.loss_fn, torch.device(device).type)
+    rep = enn_backend.report()
+    assert rep.fusions().get("attention") == 1, (name, str(rep))
+    choices = [c for g in rep.to_dict()["graphs"] for c in g.get("kernel_choices", [])
+               if "ATen kernel itself" in c["reason"]]
+    assert len(choices) == 1, (name, str(rep))
+    assert not rep.to_dict()["fallbacks"], str(rep)
+    # bf16 autocast: the fused kernel rounds differently from eager's bf16 matmuls; compare
+    # against the size of eager's own values.
+    torch.testing.assert_close(loss, want_loss, rtol=2e-2, atol=2e-2)
+    overall = max(g.abs().max().item() for g in want_grads.values())
+    for n, g in want_grads.items():
+        # (a key bias has an exactly-zero true gradient: compare noise against the model's scale)
+        scale = max(g.abs().max().item(), 1e-2 * overall)
+        err = (grads[n] - g).abs().max().item()
+        assert err <= 0.05 * scale, f"{name}: grad {n} differs by {err:.3g} (max |g| {scale:.3g})"
+    return choices[0]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_zoo_attention_fused_as_aten_kernel_cpu(name):
+    choice = _check_model(name, "cpu", {"attention_backend": "flash"})
+    assert choice["choice"] == "cpu_flash"
+    if name == "gpt2_naive":
+        assert "mask buffer" in choice["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", MODELS)
+def test_zoo_attention_fused_as_aten_kernel_gpu(name):
+    choice = _check_model(name, "cuda", {})
+    assert choice["choice"] in ("cudnn", "flash", "efficient")
+
+
+def test_mask_buffer_content_is_guarded():
+    """nanoGPT's causal buffer is compiled as a causal flag; if the buffer changes, the graph
+    runs eagerly (recorded) and the result follows the new mask."""
+    entry = zoo.build("gpt2_naive", "cpu-small", n_layer=1)
+    reference = copy.deepcopy(entry.model)
+    batch = entry.make_inputs(0)
+    compiled = torch.compile(entry.model, backend="enn", options={"attention_backend": "flash"})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*batch.args), reference(*batch.args), rtol=1e-5, atol=1e-5)
+        assert enn_backend.report().to_dict()["fallbacks"] == []
+        for model in (entry.model, reference):
+            dict(model.named_buffers())["h.0.attn.bias"].fill_(1.0)  # attend to every key
+        got, want = compiled(*batch.args), reference(*batch.args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    kinds = [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]]
+    assert kinds == ["buffer_changed"]
+
+
+def test_finite_bias_provenance():
+    """What counts as a bias that cannot hold -inf (only those run as the bare kernel)."""
+    import torch.fx as fx
+
+    g = fx.Graph()
+    mask = g.placeholder("mask")
+    mask.meta["val"] = torch.ones(2, 8, dtype=torch.long)
+    f = g.call_function(torch.ops.prims.convert_element_type.default, (mask, torch.float32))
+    f.meta["val"] = torch.ones(2, 8)
+    inv = g.call_function(torch.ops.aten.rsub.Scalar, (f, 1.0))
+    inv.meta["val"] = torch.ones(2, 8)
+    hf = g.call_function(torch.ops.aten.mul.Tensor, (inv, torch.finfo(torch.float32).min))
+    hf.meta["val"] = torch.ones(2, 8)
+    assert A._finite_bias(hf)  # HF's (1 - mask) * finfo.min
+    inf = g.call_function(torch.ops.aten.mul.Tensor, (inv, float("-inf")))
+    inf.meta["val"] = torch.ones(2, 8)
+    assert not A._finite_bias(inf)
+    learned = g.placeholder("bias")
+    learned.meta["val"] = torch.ones(2, 8)
+    assert not A._finite_bias(learned)  # a user tensor may hold -inf
+    summed = g.call_function(torch.ops.aten.add.Tensor, (hf, hf))
+    summed.meta["val"] = torch.ones(2, 8)
+    assert not A._finite_bias(summed)  # finfo.min + finfo.min overflows to -inf
