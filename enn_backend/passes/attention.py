@@ -810,13 +810,17 @@ class _NativeKernel:
     def backward(self, g, before) -> list:
         q, k, v, s, c, sv = self.q, self.k, self.v, self.scale, self.causal, self.saved
         out, lse = sv[0], sv[1]
+        # Dense (not varlen) batches: the forward's cum_seq outputs are undefined and max_q / max_k
+        # are the lengths; AOT Autograd passes them as the literals None / Tq / Tk (the partitioner
+        # cannot save a None output), and so does enn.
+        tq, tk = self.rw._size(q, 2), self.rw._size(k, 2)
         if self.backend == "flash":
             b = self.rw.call(aten._scaled_dot_product_flash_attention_backward.default,
-                             (g, q, k, v, out, lse, sv[2], sv[3], sv[4], sv[5], 0.0, c, sv[6], sv[7]), {"scale": s},
+                             (g, q, k, v, out, lse, None, None, tq, tk, 0.0, c, sv[6], sv[7]), {"scale": s},
                              before=before)
         elif self.backend == "cudnn":
             b = self.rw.call(aten._scaled_dot_product_cudnn_attention_backward.default,
-                             (g, q, k, v, out, lse, sv[6], sv[7], None, sv[2], sv[3], sv[4], sv[5], 0.0, c),
+                             (g, q, k, v, out, lse, sv[6], sv[7], None, None, None, tq, tk, 0.0, c),
                              {"scale": s}, before=before)
         elif self.backend == "efficient":
             b = self.rw.call(aten._scaled_dot_product_efficient_attention_backward.default,
