@@ -21,8 +21,10 @@ from typing import Callable
 
 # Measured on an H200 (torch 2.11, bf16, B4 H16 D64; see bench/gpu_attention.py): cuDNN's Hopper
 # kernels and FA2 are close; cuDNN is tried first on sm90+, flash first before that.
-DEFAULT_ORDER_HOPPER = ("cudnn", "flash", "efficient", "flex", "math", "explicit")
-DEFAULT_ORDER_CUDA = ("flash", "efficient", "cudnn", "flex", "math", "explicit")
+# flex comes before memory-efficient: for ALiBi / window structure it needs no T x T bias tensor
+# (and refuses mask / bias tensors, which memory-efficient takes).
+DEFAULT_ORDER_HOPPER = ("cudnn", "flash", "flex", "efficient", "math", "explicit")
+DEFAULT_ORDER_CUDA = ("flash", "flex", "efficient", "cudnn", "math", "explicit")
 # CPU: ATen's flash kernel beats Inductor's decomposed attention from T ~ 64 up (measured with
 # tests/test_attention.py::test_cpu_speed, noisy on 2 shared cores); explicit is the last resort.
 DEFAULT_ORDER_CPU = ("cpu_flash", "explicit")
@@ -51,6 +53,7 @@ class AttentionProblem:
     alibi: bool  # per-head slopes (ALiBi-like), no tensor bias
     training: bool
     dropout: float = 0.0
+    static_shapes: bool = True  # Tq / Tk are fixed (not dynamic-shape symbols)
     exporting: bool = False
     bias_finite: bool = False  # the bias provably holds no -inf (e.g. HF's (1 - mask) * finfo.min)
 
@@ -109,8 +112,8 @@ def check_cudnn(p: AttentionProblem) -> tuple[bool, str]:
         return False, "cuDNN attention is preferred on Hopper (sm90) and newer only"
     if not _low(p):
         return False, f"cuDNN attention needs fp16/bf16, have {p.dtype}"
-    if p.window > 0:
-        return False, "cuDNN (SDPA) has no sliding window"
+    if p.window > 0 or p.alibi:
+        return False, "cuDNN (SDPA) has no sliding window or ALiBi"
     if p.has_mask or p.has_bias:
         return False, "enn runs cuDNN attention without a mask or bias tensor (bias goes to memory-efficient)"
     if p.head_dim > 128 or p.head_dim % 8 or p.head_dim != p.head_dim_v:
@@ -141,8 +144,12 @@ def check_math(p: AttentionProblem) -> tuple[bool, str]:
 
 
 def check_flex(p: AttentionProblem) -> tuple[bool, str]:
-    if p.device != "cuda":
-        return False, "FlexAttention is used on CUDA only (CPU flex is inference-only and compiles slowly)"
+    if p.device == "cpu" and p.training:
+        return False, "FlexAttention on CPU is inference-only (no backward)"
+    if p.device not in ("cuda", "cpu"):
+        return False, f"FlexAttention is used on CUDA (and CPU inference when asked for), device is {p.device}"
+    if not p.static_shapes:
+        return False, "flex's block mask is built for fixed sequence lengths (dynamic shapes here)"
     if p.exporting:
         return False, "export: FlexAttention is a prototype API"
     if p.has_mask or p.has_bias:
@@ -151,7 +158,7 @@ def check_flex(p: AttentionProblem) -> tuple[bool, str]:
         return False, "no structure for flex to exploit; SDPA is faster"
     if p.head_dim < 16 or p.head_dim & (p.head_dim - 1):
         return False, f"flex's Triton template wants a power-of-two head dim >= 16, have {p.head_dim}"
-    return True, "FlexAttention: structure as score_mod / block_mask, no quadratic tensor"
+    return True, "FlexAttention in the graph: structure as score_mod / block_mask, Inductor's Triton flex kernels"
 
 
 # Below this many scores per head on CPU, the custom op's per-call cost (~30 us through the Python
@@ -168,11 +175,10 @@ def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
         # fused through ATen's CPU flash kernel, GPT-2 / BERT / LLaMA ran at 0.67-0.81x Inductor's
         # own fused C++ softmax. Fusion on CPU is available through attention_backend / _order.
         return True, "CPU: Inductor's fused C++ attention measured faster than the ATen flash kernel (0.67-0.81x)"
-    if p.device == "cuda" and (p.alibi or p.window > 0) and not (p.has_mask or p.has_bias):
-        # Measured on an H200 (bench/gpu_attention.py, bf16 B4 H16 T4096 D64, causal ALiBi): flex
-        # called from inside enn::attention runs uncompiled, 31.4 ms vs Inductor's fused 5.8 ms.
-        return True, ("CUDA ALiBi/window: FlexAttention inside an extern op runs uncompiled (31.4 ms vs "
-                      "Inductor 5.8 ms measured); Inductor's own fused code is faster until enn lowers flex in-graph")
+    if p.device == "cuda" and (p.alibi or p.window > 0) and not (p.has_mask or p.has_bias) and not check_flex(p)[0]:
+        # ALiBi / window structure goes to FlexAttention in the graph; where flex cannot take it
+        # (dynamic shapes, head dim), enn::attention would run it through a materialized bias.
+        return True, "CUDA ALiBi/window that FlexAttention cannot take here: " + check_flex(p)[1]
     if p.device == "cuda" and (p.has_mask or (p.has_bias and (p.bias_grad or not p.bias_finite))):
         # A boolean mask, a bias that may hold -inf or one that needs a gradient runs inside
         # enn::attention's Python body (dead-row handling, recompute backward). Measured on an

@@ -19,7 +19,10 @@ from enn_backend.bench import zoo
 from enn_backend.passes import attention as A
 
 MODELS = ("gpt2_naive", "llama", "bert", "vit")
-ONE_LAYER = {"gpt2_naive": {"n_layer": 1}, "llama": {"n_layer": 1}, "bert": {"n_layer": 1}, "vit": {"depth": 1}}
+FLEX_MODELS = ("alibi", "sliding")  # ALiBi slopes / sliding window: FlexAttention in the graph (CUDA)
+ONE_LAYER = {"gpt2_naive": {"n_layer": 1}, "llama": {"n_layer": 1}, "bert": {"n_layer": 1}, "vit": {"depth": 1},
+             "alibi": {"n_layer": 1}, "sliding": {"n_layer": 1}}
+EMITTED = ("ATen kernel itself", "FlexAttention ops in the graph")
 
 
 def _train_step(run, model, batch, loss_fn, device_type):
@@ -39,7 +42,7 @@ def _check_model(name, device, options):
     rep = enn_backend.report()
     assert rep.fusions().get("attention") == 1, (name, str(rep))
     choices = [c for g in rep.to_dict()["graphs"] for c in g.get("kernel_choices", [])
-               if "ATen kernel itself" in c["reason"]]
+               if any(e in c["reason"] for e in EMITTED)]
     assert len(choices) == 1, (name, str(rep))
     assert not rep.to_dict()["fallbacks"], str(rep)
     # bf16 autocast: the fused kernel rounds differently from eager's bf16 matmuls; compare
@@ -64,10 +67,10 @@ def test_zoo_attention_fused_as_aten_kernel_cpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", MODELS + FLEX_MODELS)
 def test_zoo_attention_fused_as_aten_kernel_gpu(name):
     choice = _check_model(name, "cuda", {})
-    assert choice["choice"] in ("cudnn", "flash", "efficient")
+    assert choice["choice"] in (("flex",) if name in FLEX_MODELS else ("cudnn", "flash", "efficient"))
 
 
 def test_mask_buffer_content_is_guarded():
@@ -111,3 +114,52 @@ def test_finite_bias_provenance():
     summed = g.call_function(torch.ops.aten.add.Tensor, (hf, hf))
     summed.meta["val"] = torch.ones(2, 8)
     assert not A._finite_bias(summed)  # finfo.min + finfo.min overflows to -inf
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+def test_flex_in_graph_inference_cpu():
+    """ALiBi + causal and a sliding window become FlexAttention ops that Inductor compiles (CPU
+    flex is inference-only, so only when asked for; CUDA picks flex by default)."""
+    entry = zoo.build("alibi", "cpu-small", n_layer=1)
+    batch = entry.make_inputs(0)
+    compiled = torch.compile(entry.model, backend="enn", options={"attention_backend": "flex"})
+    with torch.no_grad():
+        got, want = compiled(*batch.args), entry.model(*batch.args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    rep = enn_backend.report()
+    assert rep.fusions().get("attention") == 1 and not rep.to_dict()["fallbacks"], str(rep)
+    g = rep.to_dict()["graphs"][0]
+    assert g["path"] == "inductor"
+    assert [c["choice"] for c in g["kernel_choices"] if "Flex" in c["reason"]] == ["flex"]
+
+
+def test_flex_training_fragment_matches_eager_math():
+    """The joint (forward + backward) flex fragment the pass splices in, run eagerly (the HOPs'
+    reference implementation) on CPU: values and q/k/v gradients equal hand-written ALiBi."""
+    import math
+
+    from enn_backend.passes.attention_flex import _fragment
+
+    torch.manual_seed(0)
+    b, h, t, d = 1, 2, 64, 16
+    q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25])
+    g = torch.randn(b, h, t, d)
+    frag = _fragment(q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_(), slopes,
+                     1 / math.sqrt(d), True, 16, training=True)
+    for n in frag.graph.nodes:  # joint_fwd_bwd renames placeholders: call them by position
+        if n.op == "placeholder":
+            n.target = n.name
+    frag.recompile()
+    out, dq, dk, dv = list(frag(q, k, v, slopes, g))[:4]
+
+    qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    s = qq @ kk.transpose(-2, -1) / math.sqrt(d) + slopes.view(1, -1, 1, 1) * (j - i)
+    s = s.masked_fill(~((j <= i) & (i - j < 16)), float("-inf"))
+    want = s.softmax(-1) @ vv
+    want_grads = torch.autograd.grad(want, (qq, kk, vv), g)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for got, ref in zip((dq, dk, dv), want_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)

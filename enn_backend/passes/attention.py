@@ -640,7 +640,18 @@ class _Rewrite:
                     self.g.erase_node(n)
             return False
         native = self._native_plan(backend, mask, bias, alibi_node, window, bias_grad, bias_terms, minfill_masks)
-        if native:
+        first_bwd = min((n for n in bwd), key=_topo_index(self.g)) if grads else None
+        g_in = grad_out
+        if grads and m.three_d:
+            g_in = self.call(aten.unsqueeze.default, (grad_out, 1), before=first_bwd)
+        flex_grads = None
+        if backend == "flex":
+            from .attention_flex import emit_flex
+
+            slopes = self._cast(alibi_node, torch.float32, before) if alibi_node is not None else None
+            out, flex_grads = emit_flex(self, q4, k4, v4, slopes, float(m.scale), causal, int(window),
+                                        g_in if grads else None, before, first_bwd)
+        elif native:
             k_full, v_full = k4, v4
             if rep_k > 1 and (k_base is not k):  # kernels without grouped-query K/V: the graph's repeat
                 k_full, v_full = (self._cast(t, m.dtype, before) for t in (k, v))
@@ -661,11 +672,9 @@ class _Rewrite:
             raise _Skip(f"output shape {_shape(res)} != {_shape(m.out)}")
         m.out.replace_all_uses_with(res)
         if grads:
-            first_bwd = min((n for n in bwd), key=_topo_index(self.g))
-            g_in = grad_out
-            if m.three_d:
-                g_in = self.call(aten.unsqueeze.default, (grad_out, 1), before=first_bwd)
-            if native:
+            if flex_grads is not None:
+                parts = flex_grads + [None]
+            elif native:
                 dq, dk, dv = kern.backward(g_in, first_bwd)
                 if k_full is not k4:  # sum the repeated heads' gradients back onto the K/V heads
                     dk, dv = (self._fold_heads(t, k4, first_bwd) for t in (dk, dv))
@@ -683,7 +692,9 @@ class _Rewrite:
                 if _shape(gi) != _shape(exit_node):
                     raise _Skip(f"gradient shape {_shape(gi)} != {_shape(exit_node)}")
                 exit_node.replace_all_uses_with(gi)
-        if native:
+        if backend == "flex":
+            self.reason += "; emitted as FlexAttention ops in the graph (compiled by Inductor)"
+        elif native:
             self.reason += "; emitted as the ATen kernel itself (no fully-masked row is possible)"
         state = current_module_state()
         for index, value in relied:
@@ -763,7 +774,8 @@ class _Rewrite:
             head_dim=_hint(qv.shape[-1]), head_dim_v=_hint(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
             heads_q=_hint(qv.shape[1]), heads_kv=_hint(kv.shape[1]), causal=causal, window=window,
             has_mask=mask is not None, has_bias=bias is not None, bias_grad=bias_grad, alibi=alibi,
-            training=training, bias_finite=bias_finite)
+            training=training, bias_finite=bias_finite,
+            static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])))
         c = choose(p, self.opts.attention_backend, self.opts.attention_order)
         self.reason = c.reason
         if c.forced_failed:
