@@ -240,10 +240,14 @@ def reduction_source(n: fx.Node, depth: int = 6) -> fx.Node | None:
         if cur in seen or d > depth or not isinstance(cur, fx.Node):
             continue
         seen.add(cur)
-        if cur.target in _REDUCTIONS or cur.target is aten.logsumexp.default:
-            return cur if _numel(cur) is not None and numel is not None and _numel(cur) >= numel else None
+        red = cur
         if cur.target is operator.getitem and isinstance(cur.args[0], fx.Node) and cur.args[0].target in _REDUCTIONS:
-            return cur.args[0]
+            red = cur.args[0]  # e.g. var_mean's mean: the same size rule applies
+        if red.target in _REDUCTIONS or red.target is aten.logsumexp.default:
+            # only a value no larger than the reduction's result (per-row sized: lse, a mean) is
+            # kept in fp32; a full-size normalized activation (LayerNorm / BatchNorm output,
+            # x - mean) must keep autocast's cast, or the island widens whole activations
+            return red if _numel(red) is not None and numel is not None and _numel(red) >= numel else None
         if is_pointwise(cur) or is_view(cur) or cur.target is _CONVERT:
             stack.extend((a, d + 1) for a in cur.all_input_nodes)
     return None
