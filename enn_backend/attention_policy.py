@@ -154,8 +154,8 @@ def check_flex(p: AttentionProblem) -> tuple[bool, str]:
         return False, "export: FlexAttention is a prototype API"
     if p.has_mask or p.has_bias:
         return False, "flex is used for structure only (causal / window / ALiBi slopes), not mask tensors"
-    if not (p.causal or p.window > 0 or p.alibi):
-        return False, "no structure for flex to exploit; SDPA is faster"
+    if not (p.window > 0 or p.alibi):
+        return False, "no window or ALiBi for flex to exploit; SDPA's kernels take causal / no mask without a compile"
     if p.head_dim < 16 or p.head_dim & (p.head_dim - 1):
         return False, f"flex's Triton template wants a power-of-two head dim >= 16, have {p.head_dim}"
     return True, "FlexAttention in the graph: structure as score_mod / block_mask, Inductor's Triton flex kernels"

@@ -405,7 +405,9 @@ def test_policy_choices():
     assert choose(problem(dtype="float32")).backend == "efficient"
     assert choose(problem(has_mask=True, causal=False)).backend == "inductor"  # measured faster than SDPA with a mask
     assert choose(problem(has_mask=True, causal=False), backend="efficient").backend == "efficient"
-    assert choose(problem(alibi=True)).backend == "inductor"  # flex in an extern op runs uncompiled (measured)
+    assert choose(problem(alibi=True)).backend == "flex"  # FlexAttention ops in the graph
+    assert choose(problem(window=64)).backend == "flex"
+    assert choose(problem(alibi=True, static_shapes=False)).backend == "inductor"  # flex needs fixed lengths
     assert choose(problem(), order="flash,cudnn").backend == "flash"
     assert choose(problem(device="cpu", capability=(0, 0))).backend == "inductor"  # measured faster (bench --quick)
     assert choose(problem(device="cpu", capability=(0, 0)), order="flash").backend == "cpu_flash"

@@ -163,3 +163,34 @@ def test_flex_training_fragment_matches_eager_math():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     for got, ref in zip((dq, dk, dv), want_grads):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_alibi_with_bf16_rounded_positions():
+    """``rel.to(bf16)`` rounds positions past 256: FlexAttention's score_mod rounds them the same
+    way (so the result is what the user's code computes); a kernel that would add exact positions
+    leaves the attention unfused, with the reason recorded."""
+    import math
+
+    import torch.nn.functional as F
+
+    def alibi(q, k, v, slopes):
+        t = q.size(-2)
+        pos = torch.arange(t)
+        rel = (pos[None, :] - pos[:, None]).to(torch.bfloat16)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1))) + slopes.view(1, -1, 1, 1) * rel
+        att = att.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool)), float("-inf"))
+        return F.softmax(att.float(), dim=-1).to(q.dtype) @ v
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 512, 16) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.125])
+    with torch.no_grad():
+        want = alibi(q, k, v, slopes)
+        got = torch.compile(alibi, backend="enn", options={"attention_backend": "flex"})(q, k, v, slopes)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert enn_backend.report().fusions().get("attention") == 1
+        torch._dynamo.reset()
+        enn_backend.reset()
+        torch.compile(alibi, backend="enn", options={"attention_backend": "explicit"})(q, k, v, slopes)
+    assert enn_backend.report().fusions().get("attention", 0) == 0
+    assert any("rounded" in f["reason"] for f in enn_backend.report().to_dict()["fallbacks"])

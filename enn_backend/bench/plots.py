@@ -161,7 +161,7 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
     lines.append(
         f"Size `{cfg.get('size')}`; modes {', '.join(cfg.get('modes', []))}; dtypes {', '.join(cfg.get('dtypes', []))}; "
         f"backends {', '.join(cfg.get('backends', []))}. Step time: median of {cfg.get('rounds')} interleaved rounds "
-        f"({result['workloads'][0].get('timing_method', '?') if result.get('workloads') else '?'}), backend order rotated each round; "
+        f"({result['workloads'][0].get('timing_method', '?') if result.get('workloads') else '?'}), backend order rotated each round, after untimed steps past enn's guard warm-up (its first checked calls); "
         "a speedup is the median over rounds of the per-round time ratio (the two samples of a round share its noise). "
         "Training step = zero_grad + forward + loss + backward + AdamW step (the model is compiled, the optimizer runs eagerly). "
         "Cold compile = first call (forward + backward for training) into an empty per-backend Inductor cache; "

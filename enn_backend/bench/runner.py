@@ -9,7 +9,10 @@ For one *workload* (model x mode x dtype) the runner
    outputs for inference), judged by :mod:`.accuracy`;
    that first call is timed: the *cold* compile time, with each backend compiling
    into its own empty Inductor cache folder (no backend reuses another's kernels);
-3. step time: every backend is timed in rounds, interleaved, the order rotated each
+3. step time: every backend first runs untimed steps past enn's guard warm-up (the guard
+   checks each of a graph's first ``guard_warmup`` calls with a host sync; that one-time
+   cost is not the steady state, and ``bench/guard_overhead.py`` measures the guard itself),
+   then every backend is timed in rounds, interleaved, the order rotated each
    round, so that drift (thermal, other processes) does not favour one backend;
    GPU: ``triton.testing.do_bench`` (CUDA events, L2 flushed) per round, median;
    CPU: warmed-up wall clock of a batch of steps per round; the result is the
@@ -129,6 +132,13 @@ def _result_step(fn: Callable, module: torch.nn.Module, batch: zoo.Batch, loss_f
     grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
     module.zero_grad(set_to_none=True)
     return [loss.detach()] + grads
+
+
+def _guard_warmup() -> int:
+    """How many calls of each graph enn's guard checks before it samples (options + env)."""
+    from enn_backend.options import Options
+
+    return Options.from_sources(None, None).guard_warmup
 
 
 def _timed_step(fn: Callable, module: torch.nn.Module, opt: torch.optim.Optimizer | None, batch: zoo.Batch,
@@ -275,8 +285,9 @@ class Timer:
 
     def measure(self, fns: dict[str, Callable[[], Any]]) -> dict[str, list[float]]:
         names = list(fns)
-        for name in names:  # warm up (autotuning, allocator, caches) before any timed round
-            for _ in range(self.cfg.warmup):
+        steps = max(self.cfg.warmup, _guard_warmup() + 2)  # the same for every backend
+        for name in names:  # warm up (autotuning, allocator, caches, enn's guard warm-up) before any timed round
+            for _ in range(steps):
                 fns[name]()
         _sync(self.device)
         reps = {}

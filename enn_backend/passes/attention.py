@@ -433,8 +433,8 @@ def _additive_keep(cv: torch.Tensor) -> Optional[torch.Tensor]:
     return (cv == 0) if bool(((cv == 0) | masked).all()) else None
 
 
-def _alibi_slopes(term: fx.Node, tq: int, tk: int, heads: int) -> Optional[fx.Node]:
-    """The per-head slopes node if ``term`` is ``slopes[h] * (j - i)`` (ALiBi written by hand)."""
+def _alibi_slopes(term: fx.Node, tq: int, tk: int, heads: int) -> Optional[tuple[fx.Node, Any]]:
+    """(slopes node, 'exact' | the dtype positions are rounded to) if ``term`` is ``slopes[h] * (j - i)``."""
     if not _is(term, aten.mul.Tensor) or not all(isinstance(a, fx.Node) for a in term.args):
         return None
     for rel, slopes in (term.args, term.args[::-1]):
@@ -447,18 +447,26 @@ def _alibi_slopes(term: fx.Node, tq: int, tk: int, heads: int) -> Optional[fx.No
             sizes = [(p, p, p) for p in _PROBES]  # dynamic shapes: the same at two probe sizes
         else:
             continue
-        if all(_is_relative_positions(_constant_value(rel, probe), q, k) for probe, q, k in sizes):
-            return slopes
+        kinds = {_is_relative_positions(_constant_value(rel, probe), q, k) for probe, q, k in sizes}
+        if len(kinds) == 1 and None not in kinds:
+            return slopes, kinds.pop()
     return None
 
 
-def _is_relative_positions(rv: Optional[torch.Tensor], tq: int, tk: int) -> bool:
-    """Whether ``rv`` is ``j - i`` over a [tq, tk] grid (broadcast over leading 1-dims)."""
+def _is_relative_positions(rv: Optional[torch.Tensor], tq: int, tk: int) -> Any:
+    """'exact' if ``rv`` is ``j - i`` over a [tq, tk] grid (broadcast over leading 1-dims); its
+    dtype if it is ``j - i`` rounded to that low-precision dtype (``rel.to(bf16)``: past 256 bf16
+    rounds positions, and the user's model computes with the rounded ones); else None."""
     if rv is None or tuple(rv.shape[-2:]) != (tq, tk) or any(d != 1 for d in rv.shape[:-2]):
-        return False
+        return None
     i = torch.arange(tq, device=rv.device).view(tq, 1)
     j = torch.arange(tk, device=rv.device).view(1, tk)
-    return bool((rv.reshape(tq, tk).double() == (j - i).double()).all())
+    got = rv.reshape(tq, tk)
+    if bool((got.double() == (j - i).double()).all()):
+        return "exact"
+    if got.is_floating_point() and bool((got == (j - i).to(got.dtype)).all()):
+        return got.dtype
+    return None
 
 
 # ----------------------------------------------------------------------------- the pass
@@ -541,7 +549,7 @@ class _Rewrite:
         keep_nodes: list = []
         bias_terms = list(m.bias_terms)
         minfill_masks: list = []
-        alibi = alibi_term = None
+        alibi = alibi_term = alibi_positions = None
         relied: list = []  # module buffers whose content a classification below relied on
 
         def classified(fn, *args):
@@ -577,7 +585,7 @@ class _Rewrite:
                 if alibi is None and factor == 1.0:
                     found = classified(_alibi_slopes, term, tq, tk, 1 if m.three_d else _shape(q)[1])
                     if found is not None:
-                        alibi, alibi_term = found, term
+                        (alibi, alibi_positions), alibi_term = found, term
                         continue
                 structural_bias.append((term, factor))
             bias_terms = structural_bias
@@ -645,12 +653,21 @@ class _Rewrite:
         if grads and m.three_d:
             g_in = self.call(aten.unsqueeze.default, (grad_out, 1), before=first_bwd)
         flex_grads = None
+        rounded = alibi_positions not in (None, "exact")
+        if rounded and backend != "flex":
+            raise _Skip(f"ALiBi positions rounded to {alibi_positions}: only FlexAttention reproduces them "
+                        f"({backend} would add exact positions)")
         if backend == "flex":
             from .attention_flex import emit_flex
 
             slopes = self._cast(alibi_node, torch.float32, before) if alibi_node is not None else None
+            # The bias as the user's code rounds it: positions (and the product) in the term's dtype.
+            low = (torch.bfloat16, torch.float16)
+            bias_dtype = _val(alibi_term).dtype if alibi_term is not None else None
             out, flex_grads = emit_flex(self, q4, k4, v4, slopes, float(m.scale), causal, int(window),
-                                        g_in if grads else None, before, first_bwd)
+                                        g_in if grads else None, before, first_bwd,
+                                        pos_dtype=alibi_positions if rounded else None,
+                                        bias_dtype=bias_dtype if bias_dtype in low else None)
         elif native:
             k_full, v_full = k4, v4
             if rep_k > 1 and (k_base is not k):  # kernels without grouped-query K/V: the graph's repeat

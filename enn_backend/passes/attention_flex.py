@@ -37,8 +37,18 @@ def _mask_mod(causal: bool, window: int):
     return keep
 
 
-def _alibi_score_mod(score, b, h, q_idx, kv_idx, slopes):
-    return score + slopes[h] * (kv_idx - q_idx).to(torch.float32)
+def _alibi_score_mod(pos_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype]):
+    """``score + slopes[h] * (j - i)``, rounded as the user's code rounds it: positions in
+    ``pos_dtype`` (``rel.to(bf16)``) and the product in ``bias_dtype``; the sum is fp32."""
+
+    def score_mod(score, b, h, q_idx, kv_idx, slopes):
+        rel = kv_idx - q_idx
+        rel = rel.to(pos_dtype).to(torch.float32) if pos_dtype is not None else rel.to(torch.float32)
+        if bias_dtype is not None:
+            return score + (slopes[h].to(bias_dtype) * rel.to(bias_dtype)).to(torch.float32)
+        return score + slopes[h] * rel
+
+    return score_mod
 
 
 def _no_score_mod(score, b, h, q_idx, kv_idx):
@@ -53,7 +63,8 @@ def _kernel_options(q, k, v, training: bool) -> dict:
     return opts
 
 
-def _fragment(q, k, v, slopes, scale: float, causal: bool, window: int, training: bool) -> fx.GraphModule:
+def _fragment(q, k, v, slopes, scale: float, causal: bool, window: int, training: bool,
+              pos_dtype: Optional[torch.dtype] = None, bias_dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
     """Trace flex attention (forward, or forward + backward) on the given fake tensors."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
     from torch.nn.attention.flex_attention import create_block_mask
@@ -65,7 +76,7 @@ def _fragment(q, k, v, slopes, scale: float, causal: bool, window: int, training
     def fn(q, k, v, *rest):
         bm = create_block_mask(mask_mod, None, None, tq, tk, device=q.device)
         if rest:
-            out = flex_hop(q, k, v, _alibi_score_mod, bm.as_tuple(), scale, options, (rest[0],), ())
+            out = flex_hop(q, k, v, _alibi_score_mod(pos_dtype, bias_dtype), bm.as_tuple(), scale, options, (rest[0],), ())
         else:
             out = flex_hop(q, k, v, _no_score_mod, bm.as_tuple(), scale, options, (), ())
         return out[0]
@@ -85,7 +96,8 @@ def _fragment(q, k, v, slopes, scale: float, causal: bool, window: int, training
 
 
 def emit_flex(rw: Any, q: fx.Node, k: fx.Node, v: fx.Node, slopes: Optional[fx.Node], scale: float, causal: bool,
-              window: int, grad_out: Optional[fx.Node], before: fx.Node, first_bwd: Optional[fx.Node]
+              window: int, grad_out: Optional[fx.Node], before: fx.Node, first_bwd: Optional[fx.Node],
+              pos_dtype: Optional[torch.dtype] = None, bias_dtype: Optional[torch.dtype] = None
               ) -> tuple[fx.Node, Optional[list]]:
     """Emit flex attention into ``rw.g``: returns (output node, [dq, dk, dv] or None).
 
@@ -106,7 +118,7 @@ def emit_flex(rw: Any, q: fx.Node, k: fx.Node, v: fx.Node, slopes: Optional[fx.N
         fs = None
         if slopes is not None:
             fs = fake(slopes, False)
-        frag = _fragment(fq, fk, fv, fs, scale, causal, window, training)
+        frag = _fragment(fq, fk, fv, fs, scale, causal, window, training, pos_dtype, bias_dtype)
 
     places = [n for n in frag.graph.nodes if n.op == "placeholder"]
     tangents = [n for n in places if n.name.startswith("tangents")]
