@@ -203,6 +203,11 @@ class PassManager(compat.CustomGraphPass):
             # The pre pass runs before Inductor's own clean-up: leftover aten.alias / no-op
             # views would hide patterns (TORCH_NOTES). Inductor runs this again later.
             compat.remove_noop_ops(graph)
+        if self.stage == "joint":
+            # Inductor's joint passes (between enn's pre and post stages) insert a replacement at
+            # the replaced node's position, which can come after a user enn inserted earlier (a
+            # fused attention backward reading a rewritten gradient): restore a topological order.
+            compat.stable_topological_sort(graph)
         for p in self.passes:
             t0 = time.perf_counter()
             try:
