@@ -21,6 +21,7 @@ import torch
 import enn_backend
 
 from .bench.zoo import gpt_small
+from .options import Options
 
 
 def _sync(device: torch.device) -> None:
@@ -92,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     ok &= inf_ok
     print(f"  inference logits vs eager: max diff {(got.float() - ref.float()).abs().max().item():.2e}  {'ok' if inf_ok else 'MISMATCH'}")
 
-    print(f"timing a training step (median of {args.reps}, warmed up, side by side):")
+    print(f"timing a training step (median of {args.reps}, after the guard's warm-up, side by side):")
     timings = {}
+    warm = Options.from_sources(None, None).guard_warmup + 2  # the same for every backend
     for name in ("eager", "inductor", "enn"):
         m = copy.deepcopy(eager_model)
         fwd = m if name == "eager" else torch.compile(m, backend=name)
         step = step_fn(m, fwd, torch.optim.AdamW(m.parameters(), lr=1e-3))
-        for _ in range(2):
+        for _ in range(warm):  # past enn's guard warm-up: its first calls of each graph are checked (host sync)
             step()
         timings[name] = _median_ms(step, device, args.reps)
     for name, ms in timings.items():
