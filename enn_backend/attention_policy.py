@@ -182,9 +182,10 @@ def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
     if p.device == "cuda" and (p.has_mask or (p.has_bias and (p.bias_grad or not p.bias_finite))):
         # A boolean mask, a bias that may hold -inf or one that needs a gradient runs inside
         # enn::attention's Python body (dead-row handling, recompute backward). Measured on an
-        # H200 (bench/results/gpu-h200/gpu.md, bf16) that was slower than Inductor's own fused
-        # code (BERT inference 1.93 vs 1.19 ms, T5 2.27 vs 1.04 ms). A provably finite bias
-        # without gradient (padding masks) is emitted as the memory-efficient kernel itself.
+        # H200 (the first zoo run, bf16) that was slower than Inductor's own fused code (BERT
+        # inference 1.93 vs 1.19 ms, T5 2.27 vs 1.04 ms). A provably finite bias without
+        # gradient (padding masks) is emitted as the memory-efficient kernel itself (BERT
+        # training 1.18x, inference 1.24x Inductor on an H100: bench/results/gpu-h100/gpu.md).
         return True, ("CUDA attention with a mask tensor, a bias that may hold -inf or a bias gradient: "
                       "Inductor's fused code measured faster than enn::attention's mask path")
     return False, "only for tiny CPU problems and CUDA ALiBi / window structure / mask tensors"
