@@ -194,3 +194,20 @@ def test_alibi_with_bf16_rounded_positions():
         torch.compile(alibi, backend="enn", options={"attention_backend": "explicit"})(q, k, v, slopes)
     assert enn_backend.report().fusions().get("attention", 0) == 0
     assert any("rounded" in f["reason"] for f in enn_backend.report().to_dict()["fallbacks"])
+
+
+@pytest.mark.parametrize("t", [128, 512, 1024])
+@pytest.mark.parametrize("causal, window", [(True, 0), (True, 100), (True, 256), (False, 300), (False, 0)])
+def test_closed_form_block_mask_equals_create_block_mask(t, causal, window):
+    """The band's block mask built from block indices equals the one create_block_mask derives
+    from every (query, key) position: the same partial and full blocks, in the same order."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from enn_backend.passes.attention_flex import _mask_mod, block_mask
+
+    want = [x for x in create_block_mask(_mask_mod(causal, window), None, None, t, t, device="cpu").as_tuple()
+            if isinstance(x, torch.Tensor)][:4]
+    got = [x for x in block_mask(causal, window, t, t, torch.device("cpu")).as_tuple()
+           if isinstance(x, torch.Tensor)][:4]
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

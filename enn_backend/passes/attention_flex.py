@@ -10,7 +10,7 @@ Calling flex from inside an extern op instead runs it uncompiled (measured 31 ms
 How: the fragment is traced the way Inductor traces its own training replacements
 (``pattern_matcher.joint_fwd_bwd``: AOT Autograd's joint forward + backward of a function that
 calls the HOP), on fake tensors of the graph's own fake mode, with the block mask built inside
-the fragment (``create_block_mask`` traces to ~70 small ops; no constants to carry). Its nodes
+the fragment (in closed form at block level for a band: :func:`block_mask`). Its nodes
 are then copied into the graph: forward nodes before the attention output, nodes that read the
 output gradient before the first backward node, and its subgraphs (score_mod / mask_mod and their
 backward graphs) registered on the graph's module.
@@ -35,6 +35,43 @@ def _mask_mod(causal: bool, window: int):
         return ok
 
     return keep
+
+
+_BLOCK = 128  # FlexAttention's default sparse block size
+
+
+def block_mask(causal: bool, window: int, tq: int, tk: int, device: torch.device):
+    """The BlockMask of a causal and/or sliding-window band, built in closed form at block level.
+
+    ``create_block_mask`` evaluates the mask at every (query, key) position and reduces it to
+    blocks: inside a graph that is dozens of ops over a T x T grid, run on every call and
+    compiled as extra kernels. For a band the blocks follow from the block indices alone: block
+    (m, n) holds queries [mB, mB + B) and keys [nB, nB + B), so its smallest and largest
+    ``q - kv`` are ``(m - n)B -+ (B - 1)``; it is *full* when every pair is kept and *partial*
+    (mask_mod applied inside) when some may be. Lengths that are not whole blocks use
+    ``create_block_mask``.
+    """
+    from torch.nn.attention.flex_attention import BlockMask, _dense_to_ordered, create_block_mask
+
+    mask_mod = _mask_mod(causal, window)
+    if tq != tk or tq % _BLOCK:
+        return create_block_mask(mask_mod, None, None, tq, tk, device=device)
+    nb = tq // _BLOCK
+    m = torch.arange(nb, device=device).view(nb, 1)
+    n = torch.arange(nb, device=device).view(1, nb)
+    lo = (m - n) * _BLOCK - (_BLOCK - 1)  # smallest q - kv in the block
+    hi = (m - n) * _BLOCK + (_BLOCK - 1)  # largest
+    some = torch.ones(nb, nb, dtype=torch.bool, device=device)
+    full = torch.ones(nb, nb, dtype=torch.bool, device=device)
+    if causal:
+        some, full = some & (hi >= 0), full & (lo >= 0)
+    if window > 0:
+        some, full = some & (lo < window), full & (hi < window)
+    partial = some & ~full
+    kv_num, kv_idx = _dense_to_ordered(partial.view(1, 1, nb, nb))
+    full_num, full_idx = _dense_to_ordered(full.view(1, 1, nb, nb))
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=_BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(tq, tk))
 
 
 def _alibi_score_mod(pos_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype]):
@@ -67,14 +104,12 @@ def _fragment(q, k, v, slopes, scale: float, causal: bool, window: int, training
               pos_dtype: Optional[torch.dtype] = None, bias_dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
     """Trace flex attention (forward, or forward + backward) on the given fake tensors."""
     from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-    from torch.nn.attention.flex_attention import create_block_mask
 
     tq, tk = q.shape[-2], k.shape[-2]
     options = _kernel_options(q, k, v, training)
-    mask_mod = _mask_mod(causal, window)
 
     def fn(q, k, v, *rest):
-        bm = create_block_mask(mask_mod, None, None, tq, tk, device=q.device)
+        bm = block_mask(causal, window, tq, tk, q.device)
         if rest:
             out = flex_hop(q, k, v, _alibi_score_mod(pos_dtype, bias_dtype), bm.as_tuple(), scale, options, (rest[0],), ())
         else:
