@@ -72,10 +72,13 @@ class GraphCompiler:
 
     def safe_gm(self) -> fx.GraphModule:
         """The eager copy the guard re-runs: ATen ops as they are, and enn's own ops (fused
-        attention, GEMM epilogues) on their registered safe path, so a broken enn kernel is
-        never the reference it is judged against."""
+        attention, GEMM epilogues) plus the attention kernels enn emits on their registered
+        safe path, so a kernel enn chose is never the reference it is judged against."""
         if self._safe_gm is None:
-            enn_nodes = [n.name for n in E.candidate_nodes(self.eager_gm) if n.target.namespace == "enn"]
+            from enn_backend.custom_ops.pinned import SAFE_PATHS, op_name
+
+            enn_nodes = [n.name for n in E.candidate_nodes(self.eager_gm)
+                         if n.target.namespace == "enn" or op_name(n.target) in SAFE_PATHS]
             self._safe_gm = E.pin_nodes(self.eager_gm, enn_nodes) if enn_nodes else self.eager_gm
         return self._safe_gm
 

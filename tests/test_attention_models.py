@@ -211,3 +211,27 @@ def test_closed_form_block_mask_equals_create_block_mask(t, causal, window):
            if isinstance(x, torch.Tensor)][:4]
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_emitted_kernel_safe_paths_match_the_kernel(causal, with_bias):
+    """What the guard runs for an emitted CPU flash node (its eager reference, or a pinned node):
+    enn's fp32 math, with the kernel's values and output strides, forward and backward."""
+    import enn_backend.custom_ops  # noqa: F401
+    from enn_backend.custom_ops.pinned import SAFE_PATHS
+
+    A = torch.ops.aten
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8).transpose(1, 2).contiguous().transpose(1, 2) for _ in range(3))
+    kw = {"attn_mask": torch.randn(2, 1, 1, 16)} if with_bias else {}
+    fwd, bwd = A._scaled_dot_product_flash_attention_for_cpu.default, A._scaled_dot_product_flash_attention_for_cpu_backward.default
+    want = fwd(q, k, v, 0.0, causal, scale=0.3, **kw)
+    got = SAFE_PATHS["aten._scaled_dot_product_flash_attention_for_cpu.default"](q, k, v, 0.0, causal, scale=0.3, **kw)
+    g = torch.randn_like(want[0])
+    want_b = bwd(g, q, k, v, want[0], want[1], 0.0, causal, scale=0.3, **kw)
+    got_b = SAFE_PATHS["aten._scaled_dot_product_flash_attention_for_cpu_backward.default"](
+        g, q, k, v, want[0], want[1], 0.0, causal, scale=0.3, **kw)
+    for a, b in zip(list(got) + list(got_b), list(want) + list(want_b)):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
