@@ -20,8 +20,8 @@ import torch
 
 import enn_backend
 
+from .bench.runner import steady_state_warmup
 from .bench.zoo import gpt_small
-from .options import Options
 
 
 def _sync(device: torch.device) -> None:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"timing a training step (median of {args.reps}, after the guard's warm-up, side by side):")
     timings = {}
-    warm = Options.from_sources(None, None).guard_warmup + 2  # the same for every backend
+    warm = steady_state_warmup()  # the same for every backend
     for name in ("eager", "inductor", "enn"):
         m = copy.deepcopy(eager_model)
         fwd = m if name == "eager" else torch.compile(m, backend=name)

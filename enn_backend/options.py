@@ -111,7 +111,7 @@ class Options:
     )
     attention: bool = field(
         default=True,
-        metadata=_meta("ENN_ATTENTION", "Fuse hand-written attention into enn::attention."),
+        metadata=_meta("ENN_ATTENTION", "Fuse hand-written attention: into SDPA's ATen kernels, FlexAttention ops, or enn::attention."),
     )
     attention_backend: str = field(
         default="auto",

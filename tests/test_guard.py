@@ -222,3 +222,45 @@ def test_legit_inf_outputs_are_learned_once():
     g = rep["graphs"][0]
     assert g["counters"]["checks"] == 4 and g["counters"].get("eager_reruns", 0) == 1, g["counters"]
     assert [f["kind"] for f in rep["fallbacks"]] == ["model_nonfinite"]
+
+
+_LATE_FAULT = {"on": False}
+
+
+@torch.library.custom_op("enntest::late_fault", mutates_args=())
+def _late_fault(x: torch.Tensor) -> torch.Tensor:
+    if _LATE_FAULT["on"]:
+        raise RuntimeError("injected late kernel failure")
+    return x * 2
+
+
+@_late_fault.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_exception_on_unchecked_call_is_recorded_and_reraised():
+    """Past its warm-up the guard keeps no references to a graph's inputs (the compiled code
+    frees them as it goes), so an exception on an unchecked call cannot be re-run eagerly: it is
+    recorded, raised to the caller, and the warm-up (checking every call) starts again."""
+    def f(x):
+        return _late_fault(x + 1).sum()
+
+    compiled = torch.compile(f, backend="enn", options={**ISOLATED, "guard_warmup": 2, "guard_every": 1000})
+    x = torch.randn(4)
+    with torch.no_grad():
+        for _ in range(4):  # calls 1-2 checked, 3-4 not
+            compiled(x)
+        _LATE_FAULT["on"] = True
+        try:
+            with pytest.raises(RuntimeError, match="injected late kernel failure"):
+                compiled(x)
+        finally:
+            _LATE_FAULT["on"] = False
+        g = enn_backend.report().to_dict()["graphs"][0]
+        checks = g["counters"]["checks"]
+        compiled(x)
+    rep = enn_backend.report().to_dict()
+    (fb,) = rep["fallbacks"]
+    assert fb["kind"] == "exception" and "did not check" in fb["reason"], fb
+    assert rep["graphs"][0]["counters"]["checks"] == checks + 1  # checking again from the next call

@@ -297,3 +297,21 @@ def test_emulate_precision_casts_matches_eager_bitwise():
     print("mismatches vs eager: plain", int((plain != eager).sum()), "emulated", int((emulated != eager).sum()))
     assert torch.equal(emulated, eager)
     assert not torch.equal(plain, eager)  # without it Inductor skips the bf16 roundings between ops
+
+
+def test_reduction_source_keeps_only_per_row_values():
+    """A value reached from a reduction through getitem (var_mean's mean) keeps the per-row size
+    rule: the mean qualifies, the full-size ``x - mean`` (a normalized activation) does not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from enn_backend.passes.precision import reduction_source
+
+    def f(x):
+        var, mean = torch.var_mean(x, -1, keepdim=True)
+        return mean * 2, x - mean
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8))
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    per_row, full = out
+    assert reduction_source(per_row) is not None
+    assert reduction_source(full) is None

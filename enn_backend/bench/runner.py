@@ -134,11 +134,12 @@ def _result_step(fn: Callable, module: torch.nn.Module, batch: zoo.Batch, loss_f
     return [loss.detach()] + grads
 
 
-def _guard_warmup() -> int:
-    """How many calls of each graph enn's guard checks before it samples (options + env)."""
+def steady_state_warmup() -> int:
+    """Untimed steps before timing: past the calls of each graph enn's guard checks one by one
+    (``guard_warmup``, from options + env), so timings are the steady state for every backend."""
     from enn_backend.options import Options
 
-    return Options.from_sources(None, None).guard_warmup
+    return Options.from_sources(None, None).guard_warmup + 2
 
 
 def _timed_step(fn: Callable, module: torch.nn.Module, opt: torch.optim.Optimizer | None, batch: zoo.Batch,
@@ -285,7 +286,7 @@ class Timer:
 
     def measure(self, fns: dict[str, Callable[[], Any]]) -> dict[str, list[float]]:
         names = list(fns)
-        steps = max(self.cfg.warmup, _guard_warmup() + 2)  # the same for every backend
+        steps = max(self.cfg.warmup, steady_state_warmup())  # the same for every backend
         for name in names:  # warm up (autotuning, allocator, caches, enn's guard warm-up) before any timed round
             for _ in range(steps):
                 fns[name]()

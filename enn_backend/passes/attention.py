@@ -1,23 +1,27 @@
-"""Attention pass: hand-written ``softmax(Q Kᵀ · s + bias, masked) V`` -> ``enn::attention``.
+"""Attention pass: hand-written ``softmax(Q Kᵀ · s + bias, masked) V`` -> one fused attention.
 
 A hand-written graph matcher over the post-decomposition ATen joint graph (training: forward +
 backward; inference: forward only). It starts at each ``bmm(P, V)`` and walks up:
 
     O = view(bmm(view(expand(cast?(softmax(x)))), view(expand(V))))
     x = cast? / where(cond, fill, ·) / add(·, bias) / mul|div(·, c) ... around
-        view(bmm(view(expand(Q·c?)), view(expand(permute(K·c?)))))
+        view(bmm(view(expand(cast?(Q·c?))), view(expand(cast?(permute(K·c?))))))
 
-softmax is ``_softmax`` or Inductor's decomposition ``exp(x - amax) / sum``; the fill of a
-``masked_fill``/``where`` is ``-inf`` or ``finfo.min``; K/V may be grouped-query (``unsqueeze ->
-expand -> clone -> view``, what ``repeat_interleave`` and HF's ``repeat_kv`` produce). A mask built
-from constants only (``tril``, ``triu``, ``arange`` compares) is evaluated at compile time and, when
-it is causal or a sliding-window band, becomes a flag instead of a tensor.
+softmax is ``_softmax`` or Inductor's decomposition ``exp(x - amax) / sum``; casts are autocast's;
+the fill of a ``masked_fill``/``where`` is ``-inf`` or ``finfo.min``; K/V may be grouped-query
+(``unsqueeze -> expand -> clone -> view``, what ``repeat_interleave`` and HF's ``repeat_kv``
+produce). A mask built from constants (``tril``, ``triu``, ``arange`` compares) or read from a
+module buffer (nanoGPT's ``tril``, guarded per call) is evaluated at compile time and, when it is
+causal or a sliding-window band, becomes a flag instead of a tensor.
 
-Training: the forward region is replaced by one ``enn::attention`` node and its backward — every
-joint-graph node whose ``seq_nr`` belongs to a forward node of the region (AOT Autograd tags each
-backward node with the forward op it differentiates) — by one ``enn::attention_backward``. The
-gradients leaving that backward region are mapped to q / k / v / bias by shape, then by the
-forward op they differentiate; anything ambiguous leaves the graph alone (recorded).
+What replaces it (the policy in enn_backend/attention_policy.py picks the kernel): SDPA's ATen
+kernel and its backward op (``_NativeKernel``) where no row can be fully masked; FlexAttention
+ops (attention_flex.py) for ALiBi / windows; otherwise ``enn::attention`` (+
+``enn::attention_backward``). Training: the backward region -- every joint-graph node whose
+``seq_nr`` belongs to a forward node of the region (AOT Autograd tags each backward node with the
+forward op it differentiates) -- is replaced too. The gradients leaving that backward region are
+mapped to q / k / v / bias by shape, then by the forward op they differentiate; anything
+ambiguous leaves the graph alone (recorded).
 
 Anything that is not exactly attention (another reduction than softmax over the key axis, a
 dropout between softmax and the second matmul, an intermediate used elsewhere) is left alone.
@@ -471,7 +475,7 @@ def _is_relative_positions(rv: Optional[torch.Tensor], tq: int, tk: int) -> Any:
 
 # ----------------------------------------------------------------------------- the pass
 class AttentionPass(EnnPass):
-    """Fuse hand-written attention into ``enn::attention`` (+ ``enn::attention_backward``)."""
+    """Fuse hand-written attention: SDPA's ATen kernels, FlexAttention ops, or ``enn::attention``."""
 
     name = "attention"
     option = "attention"
@@ -647,16 +651,16 @@ class _Rewrite:
                 if not n.users:
                     self.g.erase_node(n)
             return False
-        native = self._native_plan(backend, mask, bias, alibi_node, window, bias_grad, bias_terms, minfill_masks)
+        rounded = alibi_positions not in (None, "exact")
+        if rounded and backend != "flex":
+            raise _Skip(f"ALiBi positions rounded to {alibi_positions}: only FlexAttention reproduces them "
+                        f"({backend} would add exact positions)")
+        native = self._native_plan(backend, mask, bias, alibi_node, window, bias_grad, bias_finite)
         first_bwd = min((n for n in bwd), key=_topo_index(self.g)) if grads else None
         g_in = grad_out
         if grads and m.three_d:
             g_in = self.call(aten.unsqueeze.default, (grad_out, 1), before=first_bwd)
         flex_grads = None
-        rounded = alibi_positions not in (None, "exact")
-        if rounded and backend != "flex":
-            raise _Skip(f"ALiBi positions rounded to {alibi_positions}: only FlexAttention reproduces them "
-                        f"({backend} would add exact positions)")
         if backend == "flex":
             from .attention_flex import emit_flex
 
@@ -724,7 +728,7 @@ class _Rewrite:
         return True
 
     # -- ATen kernels emitted directly
-    def _native_plan(self, backend, mask, bias, alibi, window, bias_grad, bias_terms, minfill_masks) -> bool:
+    def _native_plan(self, backend, mask, bias, alibi, window, bias_grad, bias_finite) -> bool:
         """Whether the chosen kernel can be emitted as its ATen op, with no ``enn::attention`` around it.
 
         That op's Python body exists for what the kernels do not do themselves: boolean masks,
@@ -737,9 +741,7 @@ class _Rewrite:
             return False
         if bias is None:
             return True
-        if backend not in ("efficient", "cpu_flash") or bias_grad:
-            return False
-        if not all(_finite_bias(t) for t, _ in bias_terms) or not all(_finite_bias(c) for c, _, _ in minfill_masks):
+        if backend not in ("efficient", "cpu_flash") or bias_grad or not bias_finite:
             return False
         tk = _shape(bias)[-1]
         return isinstance(tk, int) and tk % 8 == 0  # the kernels' bias alignment (else SDPA pads a copy)

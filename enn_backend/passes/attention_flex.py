@@ -26,6 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from .. import compat
+
 
 def _mask_mod(causal: bool, window: int):
     def keep(b, h, q_idx, kv_idx):
@@ -51,7 +53,7 @@ def block_mask(causal: bool, window: int, tq: int, tk: int, device: torch.device
     (mask_mod applied inside) when some may be. Lengths that are not whole blocks use
     ``create_block_mask``.
     """
-    from torch.nn.attention.flex_attention import BlockMask, _dense_to_ordered, create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     mask_mod = _mask_mod(causal, window)
     if tq != tk or tq % _BLOCK:
@@ -68,8 +70,8 @@ def block_mask(causal: bool, window: int, tq: int, tk: int, device: torch.device
     if window > 0:
         some, full = some & (lo < window), full & (hi < window)
     partial = some & ~full
-    kv_num, kv_idx = _dense_to_ordered(partial.view(1, 1, nb, nb))
-    full_num, full_idx = _dense_to_ordered(full.view(1, 1, nb, nb))
+    kv_num, kv_idx = compat.flex_dense_to_ordered(partial.view(1, 1, nb, nb))
+    full_num, full_idx = compat.flex_dense_to_ordered(full.view(1, 1, nb, nb))
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=_BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(tq, tk))
 
@@ -93,9 +95,7 @@ def _no_score_mod(score, b, h, q_idx, kv_idx):
 
 
 def _kernel_options(q, k, v, training: bool) -> dict:
-    from torch.nn.attention.flex_attention import _apply_kernel_options
-
-    opts = dict(_apply_kernel_options(q, k, v, training, None))
+    opts = compat.flex_kernel_options(q, k, v, training)
     opts["OUTPUT_LOGSUMEXP"] = training  # the backward reads the forward's logsumexp
     return opts
 
@@ -103,8 +103,7 @@ def _kernel_options(q, k, v, training: bool) -> dict:
 def _fragment(q, k, v, slopes, scale: float, causal: bool, window: int, training: bool,
               pos_dtype: Optional[torch.dtype] = None, bias_dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
     """Trace flex attention (forward, or forward + backward) on the given fake tensors."""
-    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
-
+    flex_hop = compat.flex_attention_hop()
     tq, tk = q.shape[-2], k.shape[-2]
     options = _kernel_options(q, k, v, training)
 
@@ -118,15 +117,12 @@ def _fragment(q, k, v, slopes, scale: float, causal: bool, window: int, training
 
     args = [q, k, v] + ([slopes] if slopes is not None else [])
     if training:
-        from torch._inductor.pattern_matcher import joint_fwd_bwd
-
-        gm = joint_fwd_bwd(fn, args)
+        gm = compat.joint_fwd_bwd(fn, args)
     else:
-        from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
         with torch.no_grad():  # decomposed like the graph it joins (Inductor's table)
-            gm = make_fx(fn, decomposition_table=select_decomp_table())(*args)
+            gm = make_fx(fn, decomposition_table=compat.select_decomp_table())(*args)
     return gm
 
 
