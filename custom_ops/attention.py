@@ -139,6 +139,43 @@ def dead_rows(q, k, bias, mask, causal, window) -> Optional[torch.Tensor]:
     return ~keep.any(dim=-1, keepdim=True)
 
 
+# A bias at or below this absorbs every score: in fp32 (and bf16), s + b == b for |s| < 1e22.
+SATURATED = -1e30
+
+
+def full_bias(q, k, bias, mask, alibi, causal, window) -> Optional[torch.Tensor]:
+    """Everything added to the scores as one fp32 tensor (-inf where a key is dropped), or None
+    when there is no float bias (then every kept key adds 0 and no row can saturate)."""
+    fb = _float_bias(q, k, bias if bias is not None and bias.is_floating_point() else None, alibi)
+    if fb is None:
+        return None
+    keep = _keep_all(q, k, mask, causal, window)
+    return fb if keep is None else fb.masked_fill(~keep, float("-inf"))
+
+
+def saturated_counts(fb: torch.Tensor) -> torch.Tensor:
+    """Per query row of the full bias ``fb`` (``[.., Tq, 1]``): how many keys sit at the row's
+    largest bias when that bias is at or below :data:`SATURATED`, else 1.
+
+    Such a row -- HF's ``finfo.min`` mask on a query whose keys are all padding (left-padded
+    batches) -- has its scores absorbed by the bias, so eager's softmax is uniform over those
+    keys. Kernels that save the row's log-sum-exp and recompute ``P = exp(x - lse)`` in their
+    backward (CPU flash, SDPA flash / cuDNN / memory-efficient, flex) find ``lse`` equal to the
+    bias (``log(count)`` is far below its ulp) and ``P = 1`` on those keys: their gradients are
+    ``count`` times eager's. The backward is linear in the row's incoming gradient, so dividing it
+    by ``count`` gives eager's gradients; the safe paths that stand in for such a kernel multiply
+    by it, as the kernel does. Dead rows (every key -inf) count 1: they are handled apart.
+    """
+    top = fb.amax(-1, keepdim=True)
+    count = (fb == top).sum(-1, keepdim=True, dtype=torch.float32)
+    saturated = (top <= SATURATED) & (top > float("-inf"))
+    return torch.where(saturated, count, torch.ones_like(count))
+
+
+# Backends whose backward recomputes P from the saved log-sum-exp (see saturated_counts).
+LSE_BACKWARD = ("cpu_flash", "flash", "efficient", "cudnn", "flex")
+
+
 def _repeat_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
     if x.shape[1] == hq:
         return x
@@ -184,19 +221,28 @@ def _scores(q, k, bias, mask, alibi, scale, causal, window) -> torch.Tensor:
     return s
 
 
+def _probs(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax over keys, log-sum-exp) computed as eager's softmax computes it: ``exp(s - max) /
+    sum``. Not ``exp(s - lse)``: in a saturated row (see :func:`saturated_counts`) lse rounds to
+    the row's bias and that would give every key probability 1. Rows whose keys are all -inf
+    (dead rows) get probability 0 and lse -inf."""
+    top = s.amax(-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    e = torch.exp(s - top)
+    total = e.sum(-1, keepdim=True)
+    p = e / torch.where(total > 0, total, torch.ones_like(total))
+    return p, (top + torch.log(total)).squeeze(-1)
+
+
 def _explicit_fwd(q, k, v, bias, mask, alibi, scale, causal, window):
-    s = _scores(q, k, bias, mask, alibi, scale, causal, window)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.unsqueeze(-1))
+    p, lse = _probs(_scores(q, k, bias, mask, alibi, scale, causal, window))
     out = torch.matmul(p, _repeat_kv(v, q.shape[1]).float()).to(q.dtype)
     return out, lse
 
 
 def _explicit_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window):
     hkv = k.shape[1]
-    s = _scores(q, k, bias, mask, alibi, scale, causal, window)
-    safe_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(s - safe_lse.unsqueeze(-1))  # dead rows: exp(-inf) = 0
+    p, _ = _probs(_scores(q, k, bias, mask, alibi, scale, causal, window))  # dead rows: 0
     vv = _repeat_kv(v, q.shape[1]).float()
     kk = _repeat_kv(k, q.shape[1]).float()
     gf = g.float()
@@ -383,6 +429,9 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     mask, causal = normalize_mask(q, k, mask, causal, window)
     dead = dead_rows(q, k, bias, mask, causal, window)
     g = grad_out if dead is None else grad_out.masked_fill(dead, 0.0)
+    fb = full_bias(q, k, bias, mask, alibi, causal, window) if backend in LSE_BACKWARD and bias is not None else None
+    if fb is not None:
+        g = (g.float() / saturated_counts(fb)).to(g.dtype)
     if dead is not None:
         out = out.masked_fill(dead, 0.0)  # the forward's NaN fix-up must not leak into the kernels
     if backend in _BWD and not (bias_grad and backend == "cpu_flash"):
@@ -530,7 +579,13 @@ def _scale(q, scale):
 
 
 def _math_grads(g, q, k, v, attn_mask, is_causal, scale):
+    """The kernel's gradients by enn's math: eager's, times the count of a saturated row (the
+    kernel's own factor there, see saturated_counts), so a pinned backward node computes what
+    the kernel computes."""
     bias, mask = _mask_args(attn_mask)
+    fb = full_bias(q, k, bias, mask, None, is_causal, 0)
+    if fb is not None:
+        g = (g.float() * saturated_counts(fb)).to(g.dtype)
     s = _scale(q, scale)
     out, lse = _explicit_fwd(q, k, v, bias, mask, None, s, is_causal, 0)
     return _explicit_bwd(g, q, k, v, bias, mask, None, out, lse, s, is_causal, 0)

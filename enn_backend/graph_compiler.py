@@ -40,7 +40,7 @@ class GraphCompiler:
         self.unit = unit
         self.kwargs = dict(kwargs)
         self.phase = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
-        self.eager_gm = copy.deepcopy(gm)
+        self.eager_gm = E.copy_gm(gm)
         self.example_inputs = list(example_inputs)
         self.tracing_ctx = compat.current_tracing_context()
         self.config_patches = config_patches

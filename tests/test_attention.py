@@ -168,6 +168,34 @@ def test_additive_padding_mask():
     check(padding_bias, (*qkv(), pad))
 
 
+def finfo_min_padding(q, k, v, pad):
+    """HF's padding mask: ``(1 - mask) * finfo.min`` added to the scores."""
+    att = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + (1.0 - pad[:, None, None, :]) * torch.finfo(q.dtype).min
+    return att.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("order", ["flash", "explicit"])
+def test_saturated_rows_of_a_finfo_min_mask(order, monkeypatch):
+    """A sequence that is all padding: every score of its rows is absorbed by ``finfo.min``, so
+    eager's softmax is uniform over the keys -- finite, and not the kernel's business to change.
+    The CPU flash kernel (emitted directly) recomputes P from the saved log-sum-exp, which rounds
+    to the bias: enn divides those rows' incoming gradient by the key count. The explicit math
+    computes softmax as eager does. Values and gradients equal eager's either way."""
+    monkeypatch.setenv("ENN_ATTENTION_ORDER", order)
+    pad = torch.ones(B, T)
+    pad[0, :] = 0  # batch 0: all padding
+    pad[1, 5:] = 0
+    out = check(finfo_min_padding, (*qkv(), pad))
+    assert torch.isfinite(out).all()
+    assert choices()[0]["choice"] == ("cpu_flash" if order == "flash" else "explicit")
+
+
+def test_saturated_counts():
+    fb = torch.tensor([[0.0, -3e38, 0.0], [-3e38, -3e38, -3e38], [-3e38, -3e38, float("-inf")],
+                       [float("-inf")] * 3, [-1.0, -2e30, -5.0]])
+    assert A.saturated_counts(fb).flatten().tolist() == [1.0, 3.0, 2.0, 1.0, 1.0]
+
+
 def as_pre_pass():
     """Install enn's attention pass as Inductor's joint *pre* pass (before Inductor's patterns)."""
     from enn_backend.options import Options

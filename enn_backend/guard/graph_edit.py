@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from .. import compat
 from .faults import FaultSpec, target_names
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -64,12 +65,20 @@ def fake_mode_of(gm: fx.GraphModule) -> Any:
     return None
 
 
+def copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of ``gm``, graph and attributes. Inductor calls enn's inner compile with its
+    fake mode active; tensor constants the traced code made (transformers' masks hold a
+    ``torch.tensor(0.0)``) are real tensors and must be copied as such."""
+    with compat.real_tensor_mode():
+        return copy.deepcopy(gm)
+
+
 def pin_nodes(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
     """Copy of ``gm`` with the named nodes replaced by ``enn::pinned`` calls."""
     from enn_backend.custom_ops import pinned as P
 
     names = set(names)
-    gm = copy.deepcopy(gm)
+    gm = copy_gm(gm)
     if not names:
         return gm
     graph = gm.graph
@@ -116,7 +125,7 @@ def plant_faults(
     skip = set(skip)
     if not specs:
         return gm, []
-    gm = copy.deepcopy(gm)
+    gm = copy_gm(gm)
     graph = gm.graph
     planted: list[str] = []
     for n in list(graph.nodes):
@@ -163,7 +172,7 @@ def promote_to_fp32(gm: fx.GraphModule) -> fx.GraphModule:
     becomes fp32 (this undoes autocast's casts), and outputs are cast back to their
     original dtype so the graph's callers see no change of contract.
     """
-    gm = copy.deepcopy(gm)
+    gm = copy_gm(gm)
     graph = gm.graph
     up = torch.ops.prims.convert_element_type.default
 

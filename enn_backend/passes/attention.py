@@ -838,9 +838,31 @@ class _NativeKernel:
             self.saved = self._outs(f, 2, before)  # out, lse
         return self.saved[0]
 
+    def _saturated_counts(self, before) -> fx.Node:
+        """enn::attention's ``saturated_counts`` of the kernel's bias, as graph nodes (see
+        custom_ops/attention.py): per query row, the number of keys at the row's largest bias
+        when that bias absorbs the scores, else 1. The backward kernels recompute P from the
+        saved log-sum-exp and give such rows ``count`` times eager's gradients."""
+        from enn_backend.custom_ops.attention import SATURATED
+
+        bias = self.bias.args[0] if _is(self.bias, aten.expand.default) else self.bias  # reduce before broadcasting
+        rw, fb = self.rw, self.rw._cast(bias, torch.float32, before)
+        if self.causal:  # keys after the query are dropped by the kernel (top-left aligned)
+            full = rw.call(aten.full.default, ([rw._size(self.q, 2), rw._size(self.k, 2)], float("-inf")),
+                           {"dtype": torch.float32, "device": _val(fb).device}, before=before)
+            fb = rw.call(aten.add.Tensor, (fb, rw.call(aten.triu.default, (full, 1), before=before)), before=before)
+        top = rw.call(aten.amax.default, (fb, [-1], True), before=before)
+        at_top = rw.call(aten.eq.Tensor, (fb, top), before=before)
+        count = rw.call(aten.sum.dim_IntList, (at_top, [-1], True), {"dtype": torch.float32}, before=before)
+        saturated = rw.call(aten.le.Scalar, (top, SATURATED), before=before)
+        return rw.call(aten.where.ScalarOther, (saturated, count, 1.0), before=before)
+
     def backward(self, g, before) -> list:
         q, k, v, s, c, sv = self.q, self.k, self.v, self.scale, self.causal, self.saved
         out, lse = sv[0], sv[1]
+        if self.bias is not None:  # a provably finite bias: no dead rows, but maybe saturated ones
+            scaled = self.rw.call(aten.div.Tensor, (g, self._saturated_counts(before)), before=before)
+            g = self.rw._cast(scaled, _val(g).dtype, before)
         # Dense (not varlen) batches: the forward's cum_seq outputs are undefined and max_q / max_k
         # are the lengths; AOT Autograd passes them as the literals None / Tq / Tk (the partitioner
         # cannot save a None output), and so does enn.
@@ -865,14 +887,15 @@ class _NativeKernel:
 
 # Ops a bias may be built with and stay finite (given finite inputs): shape ops and casts.
 _FINITE_SHAPE_OPS = _VIEWS | _CAST | {aten.expand.default, aten.clone.default, aten.unsqueeze.default,
-                                      aten.slice.Tensor, aten.permute.default, aten.squeeze.dim}
+                                      aten.slice.Tensor, aten.permute.default, aten.squeeze.dim,
+                                      aten.lift_fresh_copy.default}
 
 
 def _finite_bias(n: Any, depth: int = 0) -> bool:
     """Whether an additive bias provably holds no -inf / NaN, so no score row can be fully masked.
 
-    Accepted: finite constants, integer / boolean tensors (attention masks), shape ops and casts
-    of those, ``where`` between finite values, and a 0/1 mask scaled and shifted by finite numbers
+    Accepted: finite constants (also small tensor constants), integer / boolean tensors
+    (attention masks), shape ops and casts of those, ``where`` between finite values, and a 0/1 mask scaled and shifted by finite numbers
     (HF's ``(1 - mask) * finfo.min``: attention masks hold 0 and 1). Anything else -- a learned
     bias, a user tensor, a ``-inf`` fill -- is not, and keeps enn::attention's dead-row handling.
     """
@@ -885,6 +908,12 @@ def _finite_bias(n: Any, depth: int = 0) -> bool:
     v = _val(n)
     if isinstance(v, torch.Tensor) and not v.is_floating_point() and not v.is_complex():
         return True  # integer / boolean values are finite
+    if n.op == "get_attr":  # a constant the traced code made (transformers' `torch.tensor(0.0)` fill)
+        c = getattr(n.graph.owning_module, str(n.target), None)
+        if not isinstance(c, torch.Tensor) or c.numel() > 1024:
+            return False
+        with compat.real_tensor_mode():  # the pass runs under the graph's fake mode
+            return bool(torch.isfinite(c).all())
     if n.op != "call_function":
         return False
     t = n.target

@@ -1,0 +1,143 @@
+"""Hugging Face's own GPT-2, BERT and LLaMA code (``transformers``, eager attention), built from
+small configs with random weights -- no download. Every attention layer must be fused and the
+loss and every parameter's gradient must equal eager's.
+
+``attn_implementation="eager"`` is the hand-written path these models ship
+(``softmax(QKᵀ·s + mask)`` in fp32, then ``@ V``), with the masks that ``transformers`` builds
+itself: GPT-2's and LLaMA's causal mask, BERT's padding mask, LLaMA's grouped-query K/V
+(``repeat_kv``). CPU runs ATen's CPU flash kernel (forced: the CPU policy leaves attention to
+Inductor by default); the GPU test runs the default CUDA policy under bf16 autocast.
+
+The pinned ``transformers`` version is the one on the lent GPU machine (``pyproject.toml``'s
+``test`` extra installs it here and in CI); without it the tests skip.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import enn_backend
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 2  # two layers: "every layer fused" is a count, not a yes/no
+ATTENTION_KERNELS = ("cpu_flash", "explicit", "cudnn", "flash", "efficient", "math", "flex")
+EMITTED = "ATen kernel itself"  # SDPA's kernel in the graph, no enn::attention around it
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(n_layer=LAYERS, n_embd=64, n_head=4, vocab_size=128, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg), {}
+
+
+def _gpt2_left_padded():
+    """Batched generation's layout: the shorter prompt padded on the left. Its padded query rows
+    have every key masked; HF masks with finfo.min, so eager gives them uniform weights, not NaN."""
+    model, _ = _gpt2()
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, :12] = 0
+    return model, {"attention_mask": mask}
+
+
+def _bert():
+    cfg = transformers.BertConfig(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4,
+                                  intermediate_size=128, vocab_size=128, max_position_embeddings=64,
+                                  attn_implementation="eager")
+    mask = torch.ones(2, 32, dtype=torch.long)
+    mask[1, 20:] = 0  # the second sequence is padded
+    return transformers.BertForMaskedLM(cfg), {"attention_mask": mask}
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                                   max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+                                   attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg), {}
+
+
+MODELS = {"gpt2": _gpt2, "gpt2_left_padded": _gpt2_left_padded, "bert": _bert, "llama": _llama}
+
+
+def _build(name: str, device: str):
+    torch.manual_seed(0)
+    model, extra = MODELS[name]()
+    model.config.use_cache = False
+    for m in model.modules():  # dropout off: both runs must compute the same function
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    model.to(device).train()
+    ids = torch.randint(0, 128, (2, 32), device=device)
+    kwargs = {"input_ids": ids, "labels": ids, **{k: v.to(device) for k, v in extra.items()}}
+    return model, kwargs
+
+
+def _step(run, model, kwargs, device_type: str, autocast: bool):
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
+        loss = run(**kwargs).loss
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.detach().float() for n, p in model.named_parameters()}
+
+
+def _check(name: str, device: str, options: dict, autocast: bool) -> list[dict]:
+    model, kwargs = _build(name, device)
+    reference = copy.deepcopy(model)
+    loss, grads = _step(torch.compile(model, backend="enn", options=options), model, kwargs, torch.device(device).type, autocast)
+    want_loss, want_grads = _step(reference, reference, kwargs, torch.device(device).type, autocast)
+    rep = enn_backend.report()
+    assert rep.fusions().get("attention") == LAYERS, (name, str(rep))
+    choices = [c for g in rep.to_dict()["graphs"] for c in g.get("kernel_choices", [])
+               if c["choice"] in ATTENTION_KERNELS]
+    assert len(choices) == LAYERS, (name, str(rep))
+    assert not rep.to_dict()["fallbacks"], str(rep)
+    tol = 2e-2 if autocast else 1e-5
+    torch.testing.assert_close(loss, want_loss, rtol=tol, atol=tol)
+    overall = max(g.abs().max().item() for g in want_grads.values())
+    for n, g in want_grads.items():
+        # (a key bias has an exactly-zero true gradient: compare noise against the model's scale)
+        scale = max(g.abs().max().item(), 1e-2 * overall)
+        err = (grads[n] - g).abs().max().item()
+        assert err <= (0.05 if autocast else 1e-4) * scale, f"{name}: grad {n} differs by {err:.3g} (max |g| {scale:.3g})"
+    return choices
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_hf_attention_fused_cpu(name):
+    choices = _check(name, "cpu", {"attention_backend": "flash"}, autocast=False)
+    assert {c["choice"] for c in choices} == {"cpu_flash"}
+    assert all(EMITTED in c["reason"] for c in choices), choices
+
+
+def test_hf_left_padded_explicit_math_cpu():
+    """enn's own fp32 math (``enn::attention``, backend ``explicit``) on the padded query rows:
+    softmax as eager computes it (``exp(s - max) / sum``), not ``exp(s - lse)``, which rounds
+    to 1 for every key of a row that the ``finfo.min`` mask saturates."""
+    choices = _check("gpt2_left_padded", "cpu", {"attention_backend": "explicit"}, autocast=False)
+    assert {c["choice"] for c in choices} == {"explicit"}
+
+
+def test_hf_left_padded_inference_cpu():
+    """Inference (no_grad) graph of the same model: transformers' mask holds a tensor constant,
+    which enn must copy as a real tensor under Inductor's fake mode (it once crashed there and
+    fell back to plain Inductor)."""
+    model, kwargs = _build("gpt2_left_padded", "cpu")
+    kwargs.pop("labels")
+    compiled = torch.compile(model, backend="enn", options={"attention_backend": "flash"})
+    with torch.no_grad():
+        got, want = compiled(**kwargs).logits, model(**kwargs).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rep = enn_backend.report()
+    assert rep.fusions().get("attention") == LAYERS and not rep.to_dict()["fallbacks"], str(rep)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_hf_attention_fused_gpu(name):
+    choices = _check(name, "cuda", {}, autocast=True)
+    assert {c["choice"] for c in choices} <= {"cudnn", "flash", "efficient"}
+    assert all(EMITTED in c["reason"] for c in choices), choices
