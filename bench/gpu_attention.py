@@ -89,6 +89,27 @@ def bench(fn, args, backward: bool, reps: int = 20) -> tuple[float, float]:
     return ms, peak
 
 
+def profile(fn, args, backward: bool, steps: int = 20) -> str:
+    """torch.profiler table of ``steps`` calls (after a warm-up past enn's guard warm-up):
+    host time per operator, and the device kernels launched."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    ctx = torch.enable_grad() if backward else torch.no_grad()
+    with ctx:
+        for _ in range(25):
+            out = fn(*args)
+            if backward:
+                out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for _ in range(steps):
+                out = fn(*args)
+                if backward:
+                    out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+    return p.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60)
+
+
 def rmse(a, b):
     return (a.double() - b.double()).pow(2).mean().sqrt().item()
 
@@ -105,18 +126,27 @@ def main() -> int:
     results = {"device": torch.cuda.get_device_name(), "capability": cap, "torch": torch.__version__, "rows": []}
     slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)], device="cuda", dtype=DT)
     flex_alibi = make_flex_alibi()
+    # "compiled direct call": the best direct call under torch.compile(backend="inductor"):
+    # the per-call cost every torch.compile backend pays (Dynamo guards, AOT Autograd's
+    # runtime wrappers, the compiled graphs' Python), which launch-bound sizes (T=1024) show.
+    # "reduce-overhead": torch.compile's CUDA graphs, which remove that cost.
     variants = {
         "causal": {
             "eager": causal,
             "inductor": torch.compile(causal, backend="inductor", dynamic=False),
             "enn": torch.compile(causal, backend="enn", dynamic=False),
             "direct sdpa is_causal": sdpa_causal,
+            "compiled direct sdpa": torch.compile(sdpa_causal, backend="inductor", dynamic=False),
+            "inductor reduce-overhead": torch.compile(causal, backend="inductor", mode="reduce-overhead", dynamic=False),
+            "enn reduce-overhead": torch.compile(causal, backend="enn", mode="reduce-overhead", dynamic=False),
         },
         "alibi": {
             "eager": alibi,
             "inductor": torch.compile(alibi, backend="inductor", dynamic=False),
             "enn": torch.compile(alibi, backend="enn", dynamic=False),
             "direct flex score_mod": flex_alibi,
+            "inductor reduce-overhead": torch.compile(alibi, backend="inductor", mode="reduce-overhead", dynamic=False),
+            "enn reduce-overhead": torch.compile(alibi, backend="enn", mode="reduce-overhead", dynamic=False),
         },
     }
     for t in TS:
@@ -161,6 +191,16 @@ def main() -> int:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 results["rows"].append(row)
                 print(json.dumps(row), flush=True)
+        if t == TS[0]:  # where the host's per-call cost shows: what enn's calls spend their time on
+            prof = {}
+            for problem, backward in (("causal", True), ("alibi", False)):
+                extra = (slopes,) if problem == "alibi" else ()
+                args = [x.detach().requires_grad_(backward) for x in (q, k, v)] + list(extra)
+                for name in ("enn", "compiled direct sdpa" if problem == "causal" else "direct flex score_mod"):
+                    prof[f"{problem} {'fwd+bwd' if backward else 'fwd'} {name}"] = profile(variants[problem][name], args, backward)
+            results["profile"] = prof
+            for key, table in prof.items():
+                print(f"--- profile: {key}\n{table}")
     results["enn_report"] = enn_backend.report().to_dict()
     results["wall_s"] = time.time() - t_start
     # goals

@@ -141,20 +141,22 @@ def test_flex_training_fragment_matches_eager_math():
     reference implementation) on CPU: values and q/k/v gradients equal hand-written ALiBi."""
     import math
 
-    from enn_backend.passes.attention_flex import _fragment
+    from enn_backend.passes.attention_flex import _fragment, block_mask
 
     torch.manual_seed(0)
     b, h, t, d = 1, 2, 64, 16
     q, k, v = (torch.randn(b, h, t, d) for _ in range(3))
     slopes = torch.tensor([0.5, 0.25])
     g = torch.randn(b, h, t, d)
+    parts = block_mask(True, 16, t, t, q.device).as_tuple()
     frag = _fragment(q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_(), slopes,
-                     1 / math.sqrt(d), True, 16, training=True)
+                     parts, 1 / math.sqrt(d), True, 16, training=True)
     for n in frag.graph.nodes:  # joint_fwd_bwd renames placeholders: call them by position
         if n.op == "placeholder":
             n.target = n.name
     frag.recompile()
-    out, dq, dk, dv = list(frag(q, k, v, slopes, g))[:4]
+    mask_tensors = [x for x in parts if isinstance(x, torch.Tensor)]
+    out, dq, dk, dv = list(frag(q, k, v, *mask_tensors, slopes, g))[:4]
 
     qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
     i = torch.arange(t)[:, None]

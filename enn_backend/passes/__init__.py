@@ -151,13 +151,16 @@ def registered_passes() -> list[type[EnnPass]]:
     - epilogue before precision: it matches addmm + activation as Inductor emits them.
     - precision after the fusions: it promotes whatever low-precision reductions remain.
     - fp32 tail last: it wraps the output tail the other passes left.
+    - flex constants (post-grad) after Inductor's fake-tensor propagation, which needs the
+      lifts the attention pass put around them.
     """
     from .attention import AttentionPass
+    from .attention_flex import FlexConstantsPass
     from .epilogue import EpiloguePass
     from .fp32_tail import Fp32TailPass
     from .precision import PrecisionPass
 
-    return [AttentionPass, EpiloguePass, PrecisionPass, Fp32TailPass]
+    return [AttentionPass, EpiloguePass, PrecisionPass, Fp32TailPass, FlexConstantsPass]
 
 
 def _stages(cls: type[EnnPass]) -> tuple[str, ...]:

@@ -9,8 +9,9 @@ Calling flex from inside an extern op instead runs it uncompiled (measured 31 ms
 
 How: the fragment is traced the way Inductor traces its own training replacements
 (``pattern_matcher.joint_fwd_bwd``: AOT Autograd's joint forward + backward of a function that
-calls the HOP), on fake tensors of the graph's own fake mode, with the block mask built inside
-the fragment (in closed form at block level for a band: :func:`block_mask`). Its nodes
+calls the HOP), on fake tensors of the graph's own fake mode. The block mask depends on the fixed
+lengths only: it is built once at compile time (in closed form at block level for a band:
+:func:`block_mask`) and enters the graph as constants. Its nodes
 are then copied into the graph: forward nodes before the attention output, nodes that read the
 output gradient before the first backward node, and its subgraphs (score_mod / mask_mod and their
 backward graphs) registered on the graph's module.
@@ -27,6 +28,9 @@ import torch
 import torch.fx as fx
 
 from .. import compat
+from . import EnnPass, PassContext
+
+BLOCK_MASK_ATTR = "enn_flex_block_mask"
 
 
 def _mask_mod(causal: bool, window: int):
@@ -100,22 +104,29 @@ def _kernel_options(q, k, v, training: bool) -> dict:
     return opts
 
 
-def _fragment(q, k, v, slopes, scale: float, causal: bool, window: int, training: bool,
+def _fragment(q, k, v, slopes, block_mask_parts: tuple, scale: float, causal: bool, window: int, training: bool,
               pos_dtype: Optional[torch.dtype] = None, bias_dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
-    """Trace flex attention (forward, or forward + backward) on the given fake tensors."""
+    """Trace flex attention (forward, or forward + backward) on the given (fake) tensors.
+
+    ``block_mask_parts`` is a ``BlockMask.as_tuple()``; its tensors become the fragment's inputs
+    after ``q, k, v`` (then ``slopes``), so the caller decides where they come from.
+    """
     flex_hop = compat.flex_attention_hop()
-    tq, tk = q.shape[-2], k.shape[-2]
     options = _kernel_options(q, k, v, training)
+    slots = [i for i, x in enumerate(block_mask_parts) if isinstance(x, torch.Tensor)]
 
     def fn(q, k, v, *rest):
-        bm = block_mask(causal, window, tq, tk, q.device)
+        parts = list(block_mask_parts)
+        for i, t in zip(slots, rest):
+            parts[i] = t
+        rest = rest[len(slots):]
         if rest:
-            out = flex_hop(q, k, v, _alibi_score_mod(pos_dtype, bias_dtype), bm.as_tuple(), scale, options, (rest[0],), ())
+            out = flex_hop(q, k, v, _alibi_score_mod(pos_dtype, bias_dtype), tuple(parts), scale, options, (rest[0],), ())
         else:
-            out = flex_hop(q, k, v, _no_score_mod, bm.as_tuple(), scale, options, (), ())
+            out = flex_hop(q, k, v, _no_score_mod, tuple(parts), scale, options, (), ())
         return out[0]
 
-    args = [q, k, v] + ([slopes] if slopes is not None else [])
+    args = [q, k, v] + [block_mask_parts[i] for i in slots] + ([slopes] if slopes is not None else [])
     if training:
         gm = compat.joint_fwd_bwd(fn, args)
     else:
@@ -139,6 +150,24 @@ def emit_flex(rw: Any, q: fx.Node, k: fx.Node, v: fx.Node, slopes: Optional[fx.N
     gm = graph.owning_module
     if gm is None:
         raise RuntimeError("flex attention needs the graph's owning module (for its subgraphs)")
+    # The block mask depends on the (fixed) lengths only: built once here, it enters the graph
+    # as constants. Built inside the graph it ran as ~5 kernels (sorts included) on every call.
+    qv, kv = q.meta["val"], k.meta["val"]
+    with compat.real_tensor_mode():
+        parts = block_mask(causal, window, int(qv.shape[-2]), int(kv.shape[-2]), qv.device).as_tuple()
+    first_real = next(n for n in graph.nodes if n.op != "placeholder")
+    mask_inputs = []
+    for t in (x for x in parts if isinstance(x, torch.Tensor)):
+        name = _fresh_attr(gm, BLOCK_MASK_ATTR)
+        gm.register_buffer(name, t)
+        with graph.inserting_before(first_real):
+            node = graph.get_attr(name)
+            # Inductor's fake-tensor propagation takes a real constant only through a lift
+            # (as it does for the constants traced code makes); FlexConstantsPass drops it.
+            lifted = graph.call_function(torch.ops.aten.lift_fresh_copy.default, (node,))
+        node.meta["val"] = lifted.meta["val"] = mode.from_tensor(t)
+        rw.created += [node, lifted]
+        mask_inputs.append(lifted)
     with mode:
         def fake(n: fx.Node, grad: bool) -> torch.Tensor:
             val = n.meta["val"]
@@ -149,12 +178,13 @@ def emit_flex(rw: Any, q: fx.Node, k: fx.Node, v: fx.Node, slopes: Optional[fx.N
         fs = None
         if slopes is not None:
             fs = fake(slopes, False)
-        frag = _fragment(fq, fk, fv, fs, scale, causal, window, training, pos_dtype, bias_dtype)
+        fake_parts = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in parts)
+        frag = _fragment(fq, fk, fv, fs, fake_parts, scale, causal, window, training, pos_dtype, bias_dtype)
 
     places = [n for n in frag.graph.nodes if n.op == "placeholder"]
     tangents = [n for n in places if n.name.startswith("tangents")]
     primals = [n for n in places if n not in tangents]
-    inputs = [q, k, v] + ([slopes] if slopes is not None else [])
+    inputs = [q, k, v] + mask_inputs + ([slopes] if slopes is not None else [])
     if len(primals) != len(inputs) or len(tangents) != (1 if training else 0):
         raise RuntimeError(f"flex fragment has {len(primals)} inputs / {len(tangents)} tangents, "
                            f"expected {len(inputs)} / {int(training)}")
@@ -165,7 +195,6 @@ def emit_flex(rw: Any, q: fx.Node, k: fx.Node, v: fx.Node, slopes: Optional[fx.N
     for n in frag.graph.nodes:
         if any(a in reads_grad for a in n.all_input_nodes):
             reads_grad.add(n)
-    first_real = next(n for n in graph.nodes if n.op != "placeholder")
     for n in frag.graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
@@ -174,7 +203,7 @@ def emit_flex(rw: Any, q: fx.Node, k: fx.Node, v: fx.Node, slopes: Optional[fx.N
             name = _fresh_attr(gm, f"enn_flex_{n.target}")
             if isinstance(sub, torch.nn.Module):
                 gm.add_submodule(name, sub)
-            else:  # pragma: no cover - the fragment builds its block mask in-graph
+            else:  # pragma: no cover - the block mask comes in as inputs; no other constants
                 gm.register_buffer(name, sub)
             with graph.inserting_before(first_real):
                 env[n] = graph.get_attr(name)
@@ -197,3 +226,27 @@ def _fresh_attr(gm: torch.nn.Module, base: str) -> str:
         i += 1
     return f"{base}_{i}"
 
+
+
+class FlexConstantsPass(EnnPass):
+    """Post-grad: the flex block mask's constants are read directly, not through a copy.
+
+    ``emit_flex`` puts each block-mask constant into the joint graph as
+    ``lift_fresh_copy(get_attr)``, the only form Inductor's fake-tensor propagation (which runs
+    between the joint and the post-grad stages) accepts for a real tensor. After it, the lift
+    is a copy kernel on every call for nothing: this pass reads the constant instead.
+    """
+
+    name = "flex_constants"
+    option = "attention"
+    stage = "post_grad"
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
+        count = 0
+        for n in list(graph.nodes):
+            src = n.args[0] if n.target is torch.ops.aten.lift_fresh_copy.default else None
+            if isinstance(src, fx.Node) and src.op == "get_attr" and str(src.target).startswith(BLOCK_MASK_ATTR):
+                n.replace_all_uses_with(src)
+                graph.erase_node(n)
+                count += 1
+        return count
