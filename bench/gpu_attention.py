@@ -73,6 +73,8 @@ def bench(fn, args, backward: bool, reps: int = 20) -> tuple[float, float]:
 
     def step():
         torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graphs (reduce-overhead)
+        for a in args:  # as zero_grad(set_to_none=True): a CUDA graph's gradient output is
+            a.grad = None  # overwritten by its next replay, so it must not be accumulated into
         out = fn(*args)
         if backward:
             out.backward(torch.ones_like(out))
