@@ -105,6 +105,10 @@ def test_finite_bias_provenance():
     hf = g.call_function(torch.ops.aten.mul.Tensor, (inv, torch.finfo(torch.float32).min))
     hf.meta["val"] = torch.ones(2, 8)
     assert A._finite_bias(hf)  # HF's (1 - mask) * finfo.min
+    assert A._may_saturate(hf)  # ... which can mask a whole row at finfo.min
+    old_style = g.call_function(torch.ops.aten.mul.Tensor, (inv, -10000.0))
+    old_style.meta["val"] = torch.ones(2, 8)
+    assert A._finite_bias(old_style) and not A._may_saturate(old_style)
     inf = g.call_function(torch.ops.aten.mul.Tensor, (inv, float("-inf")))
     inf.meta["val"] = torch.ones(2, 8)
     assert not A._finite_bias(inf)

@@ -40,6 +40,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..attention_policy import AttentionProblem, choose
+from ..custom_ops.attention import SATURATED
 from ..report import FallbackKind, report
 from . import EnnPass, PassContext, current_module_state
 
@@ -643,8 +644,10 @@ class _Rewrite:
             alibi_node = self.call(aten.view.default, (alibi, [_shape(q4)[1]]), before=before)
         bias_finite = bias is not None and all(_finite_bias(t) for t, _ in bias_terms) and all(
             _finite_bias(c) for c, _, _ in minfill_masks)
+        saturating = bias_finite and (any(_may_saturate(t) for t, _ in bias_terms)
+                                      or any(f <= SATURATED for _, _, f in minfill_masks))
         backend = self._choose(q4, k4, v4, mask, bias, bias_grad, causal, window, training and bool(grads),
-                               alibi_node is not None, bias_finite)
+                               alibi_node is not None, bias_finite, saturating)
         if backend == "inductor":  # the policy leaves it to Inductor: undo the helper nodes
             self.ctx.kernel_choice(m.out.name, "inductor", self.reason, fused=False)
             for n in reversed(self.created):
@@ -782,7 +785,8 @@ class _Rewrite:
             return n
         return self.call(prims.convert_element_type.default, (n, dtype), before=before)
 
-    def _choose(self, q, k, v, mask, bias, bias_grad, causal, window, training, alibi=False, bias_finite=False) -> str:
+    def _choose(self, q, k, v, mask, bias, bias_grad, causal, window, training, alibi=False, bias_finite=False,
+                bias_saturating=False) -> str:
         qv, kv, vv = _val(q), _val(k), _val(v)
         dev = qv.device
         cap = (0, 0)
@@ -793,7 +797,7 @@ class _Rewrite:
             head_dim=_hint(qv.shape[-1]), head_dim_v=_hint(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
             heads_q=_hint(qv.shape[1]), heads_kv=_hint(kv.shape[1]), causal=causal, window=window,
             has_mask=mask is not None, has_bias=bias is not None, bias_grad=bias_grad, alibi=alibi,
-            training=training, bias_finite=bias_finite,
+            training=training, bias_finite=bias_finite, bias_may_saturate=bias_saturating,
             static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])))
         c = choose(p, self.opts.attention_backend, self.opts.attention_order)
         self.reason = c.reason
@@ -843,8 +847,6 @@ class _NativeKernel:
         custom_ops/attention.py): per query row, the number of keys at the row's largest bias
         when that bias absorbs the scores, else 1. The backward kernels recompute P from the
         saved log-sum-exp and give such rows ``count`` times eager's gradients."""
-        from enn_backend.custom_ops.attention import SATURATED
-
         bias = self.bias.args[0] if _is(self.bias, aten.expand.default) else self.bias  # reduce before broadcasting
         rw, fb = self.rw, self.rw._cast(bias, torch.float32, before)
         if self.causal:  # keys after the query are dropped by the kernel (top-left aligned)
@@ -933,6 +935,27 @@ def _finite_bias(n: Any, depth: int = 0) -> bool:
         tensors = [x for x in (a, b) if _scalar(x) is None]
         return all(_finite_bias(x, depth + 1) for x in tensors)
     return False
+
+
+def _may_saturate(n: Any, depth: int = 0) -> bool:
+    """Whether a (provably finite) bias may hold values at or below ``SATURATED`` -- HF's
+    ``finfo.min`` masks do -- so that a row whose every key is masked is *saturated*: eager's
+    softmax is uniform there (see custom_ops/attention.py ``saturated_counts``). Looks for a
+    constant of that size in the bias's provenance."""
+    if isinstance(n, (int, float)) and not isinstance(n, bool):
+        return abs(n) >= -SATURATED
+    if not isinstance(n, fx.Node) or depth > 32:
+        return False
+    if n.op == "get_attr":
+        c = getattr(n.graph.owning_module, str(n.target), None)
+        if not isinstance(c, torch.Tensor) or not c.is_floating_point():
+            return False
+        with compat.real_tensor_mode():
+            return bool((c.abs() >= -SATURATED).any())
+    if n.op != "call_function":
+        return False
+    return any(_may_saturate(a, depth + 1) for a in (*n.args, *n.kwargs.values())
+               if isinstance(a, (fx.Node, int, float)))
 
 
 def _hint(s: Any) -> int:
