@@ -38,7 +38,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 2 cold compiles fit in 8 minutes; no warm-compile pass (add --warm-compile, or run a
     # subset); the budget stops starting new workloads at 380 s and lists what it skipped.
     "gpu": dict(device="cuda", size="gpu-real", models=GPU_MODELS, modes=["train", "infer"], dtypes=["bf16"],
-                backends=["eager", "inductor", "enn"], rounds=5, rep_ms=40.0, budget_s=380.0, warm_compile=False),
+                backends=["eager", "inductor", "enn"], rounds=15, rep_ms=40.0, budget_s=380.0, warm_compile=False),
 }
 
 
