@@ -67,8 +67,9 @@ def test_zoo_attention_fused_as_aten_kernel_cpu(name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", MODELS + FLEX_MODELS)
+@pytest.mark.parametrize("name", [m for m in MODELS if m != "bert"] + list(FLEX_MODELS))
 def test_zoo_attention_fused_as_aten_kernel_gpu(name):
+    # (BERT's finfo.min padding mask stays with Inductor on CUDA: tests/test_hf_models.py)
     choice = _check_model(name, "cuda", {})
     assert choice["choice"] in (("flex",) if name in FLEX_MODELS else ("cudnn", "flash", "efficient"))
 

@@ -154,4 +154,4 @@ def test_hf_attention_gpu(name):
     torch.testing.assert_close(loss, want_loss, rtol=2e-2, atol=2e-2)
     left = [c for g in enn_backend.report().to_dict()["graphs"] for c in g.get("kernel_choices", [])
             if c["choice"] == "inductor" and "finfo.min" in c["reason"]]
-    assert len(left) == LAYERS, str(enn_backend.report())
+    assert len({c["node"] for c in left}) == LAYERS, str(enn_backend.report())  # (both joint stages record it)
