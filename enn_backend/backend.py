@@ -13,7 +13,6 @@ failing enn pass -> plain Inductor -> the graph runs eagerly.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -46,7 +45,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
     """Compile one Dynamo graph (a *unit*: its forward and backward graphs)."""
     unit = report().new_unit()
     t0 = time.perf_counter()
-    pristine = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # compile_fx may mutate the graph
+    pristine = _fresh(gm)  # compile_fx may mutate the graph
     while True:
         try:
             compiled = _compile_with_enn(_fresh(pristine), example_inputs, opts, unit, pristine)
@@ -70,7 +69,9 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
 
 
 def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
-    return fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    # a copy that keeps Dynamo's metadata (parameters and buffers stay static inputs for AOT
+    # Autograd, as under backend="inductor"), see compat.copy_dynamo_graph
+    return compat.copy_dynamo_graph(gm)
 
 
 def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str,

@@ -145,6 +145,50 @@ def test_inductor_after_enn_sees_no_enn_ops_or_config():
     assert torch.isfinite(out).all()
 
 
+def test_training_graphs_split_as_under_inductor(monkeypatch):
+    """enn compiles a copy of Dynamo's graph; the copy must keep what tells AOT Autograd which
+    inputs are parameters and buffers. Without it the min-cut partitioner saved views of the
+    weights and a mask computed from a buffer instead of the weights themselves (nanoGPT's
+    training forward ran 0.64 vs 0.47 ms on CPU)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from enn_backend import compat
+    from enn_backend.backend import enn
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+            self.register_buffer("mask", torch.tril(torch.ones(16, 16)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x).relu().masked_fill(self.mask == 0, 0.0))
+
+    def saved_by_forward(backend: str) -> list[str]:
+        saved: list[str] = []
+
+        def record(gm, example_inputs, **kwargs):
+            if not kwargs.get("is_backward"):
+                saved.extend(sorted(str(o).rstrip("_0123456789") for o in gm.graph.output_node().args[0]))
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+        torch._dynamo.reset()
+        if backend == "inductor":
+            fn = lambda gm, ex: compile_fx(gm, ex, inner_compile=record)  # noqa: E731
+        else:
+            monkeypatch.setattr(compat, "compile_fx_inner", record)
+            fn = lambda gm, ex: enn(gm, ex, options={"guard": "off"})  # noqa: E731
+        torch.manual_seed(0)
+        with functorch_config.patch(enable_autograd_cache=False):  # a cache hit skips inner_compile
+            torch.compile(Masked(), backend=fn)(torch.randn(16, 16, requires_grad=True)).sum().backward()
+        return saved
+
+    want = saved_by_forward("inductor")
+    assert want and "permute" not in want
+    assert saved_by_forward("enn") == want
+
+
 # ----------------------------------------------------------------------------- caching
 _CACHE_SCRIPT = textwrap.dedent(
     """
