@@ -142,6 +142,38 @@ def dead_rows(q, k, bias, mask, causal, window) -> Optional[torch.Tensor]:
 # A bias at or below this absorbs every score: in fp32 (and bf16), s + b == b for |s| < 1e22.
 SATURATED = -1e30
 
+# What a kernel receives in place of every finite bias at or below SATURATED (bf16 / fp32
+# kernels). HF's fp32 ``finfo.min`` cannot go as is: the CUDA memory-efficient kernel scales
+# scores by log2(e) and -3.4e38 overflows to -inf there, so a saturated row reads as fully
+# masked (wrong output, no gradient); and -1e30 in bf16 gives NaN gradients from that kernel.
+# This power of two gives eager's uniform row and, with saturated_counts, eager's gradients,
+# in bf16 and fp32 on every shape tried (bench/gpu_saturated_rows.py,
+# bench/results/gpu-h100/saturated_rows.log). fp16 cannot hold it (nor any bias that absorbs
+# the scores): there the policy keeps such biases off the kernels.
+SATURATED_FLOOR = -(2.0 ** 100)
+
+
+def floors_saturated(dtype: torch.dtype) -> bool:
+    """Whether kernels in ``dtype`` receive SATURATED_FLOOR for saturating biases (bf16, fp32)."""
+    return torch.finfo(dtype).min < SATURATED_FLOOR
+
+
+def kernel_bias(fb: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask a fused kernel receives, in ``dtype``, for the fp32 full bias ``fb``.
+
+    -inf stays -inf (a dropped key). In bf16 / fp32 every other value at or below
+    :data:`SATURATED` becomes :data:`SATURATED_FLOOR`; in fp16 finite values are clamped to its
+    range. A row whose largest bias is at or below SATURATED is therefore uniform over *all*
+    its keys at or below SATURATED; eager is uniform over the keys at exactly its largest value.
+    The two agree for masks with one fill value (``finfo.min``, as every HF model writes them).
+    """
+    info = torch.finfo(dtype)
+    if floors_saturated(dtype):
+        floor = (fb <= SATURATED) & (fb > float("-inf"))
+        fb = torch.where(floor, torch.full((), SATURATED_FLOOR, dtype=fb.dtype, device=fb.device), fb)
+        return fb.clamp(max=info.max).to(dtype)
+    return torch.where(torch.isfinite(fb), fb.clamp(info.min, info.max), fb).to(dtype)
+
 
 def full_bias(q, k, bias, mask, alibi, causal, window) -> Optional[torch.Tensor]:
     """Everything added to the scores as one fp32 tensor (-inf where a key is dropped), or None
@@ -154,8 +186,9 @@ def full_bias(q, k, bias, mask, alibi, causal, window) -> Optional[torch.Tensor]
 
 
 def saturated_counts(fb: torch.Tensor) -> torch.Tensor:
-    """Per query row of the full bias ``fb`` (``[.., Tq, 1]``): how many keys sit at the row's
-    largest bias when that bias is at or below :data:`SATURATED`, else 1.
+    """Per query row of the full bias ``fb`` (``[.., Tq, 1]``): when the row's largest bias is
+    at or below :data:`SATURATED`, how many of its keys are (finite and) at or below it -- the
+    keys :func:`kernel_bias` gives one value --, else 1.
 
     Such a row -- HF's ``finfo.min`` mask on a query whose keys are all padding (left-padded
     batches) -- has its scores absorbed by the bias, so eager's softmax is uniform over those
@@ -167,7 +200,8 @@ def saturated_counts(fb: torch.Tensor) -> torch.Tensor:
     by it, as the kernel does. Dead rows (every key -inf) count 1: they are handled apart.
     """
     top = fb.amax(-1, keepdim=True)
-    count = (fb == top).sum(-1, keepdim=True, dtype=torch.float32)
+    low = (fb <= SATURATED) & (fb > float("-inf"))
+    count = low.sum(-1, keepdim=True, dtype=torch.float32)
     saturated = (top <= SATURATED) & (top > float("-inf"))
     return torch.where(saturated, count, torch.ones_like(count))
 
@@ -268,7 +302,7 @@ def _cpu_flash_mask(q, k, bias, mask, alibi, causal, window):
         m = m.masked_fill(~keep, float("-inf"))
     while m.dim() < 4:  # the kernel takes 2-D or 4-D masks
         m = m.unsqueeze(0)
-    return m.to(q.dtype), use_causal
+    return kernel_bias(m, q.dtype), use_causal
 
 
 def _cpu_flash_fwd(q, k, v, bias, mask, alibi, scale, causal, window):
@@ -301,8 +335,7 @@ def _sdpa_call(q, k, v, bias, mask, alibi, scale, causal, window, backend):
         keep = _keep_all(q, k, mask, causal, window)
         fb = _float_bias(q, k, bias, alibi)
         if fb is not None:
-            fb = fb.to(q.dtype)
-            attn_mask = fb if keep is None else fb.masked_fill(~keep, float("-inf"))
+            attn_mask = kernel_bias(fb if keep is None else fb.masked_fill(~keep, float("-inf")), q.dtype)
         else:
             attn_mask = keep
     gqa = q.shape[1] != k.shape[1]

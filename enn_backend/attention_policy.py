@@ -134,12 +134,12 @@ def check_efficient(p: AttentionProblem) -> tuple[bool, str]:
         return False, "memory-efficient attention needs head dims that are multiples of 8"
     if p.window > 0 and p.tk * p.tq > (1 << 24):
         return False, "sliding window as a mask tensor is quadratic in T; use flex"
-    if p.has_bias and p.bias_may_saturate:
-        # Measured on an H100 (bench/gpu_saturated_rows.py): where every key of a row is at
-        # finfo.min, eager's softmax is uniform; this kernel returns another value there and
-        # gives that row no gradient.
-        return False, ("a finfo.min mask may mask a whole row (left padding, an all-padding sequence): "
-                       "the memory-efficient kernel does not give eager's uniform row there")
+    if p.has_bias and p.bias_may_saturate and p.dtype == "float16":
+        # A row whose every key is at finfo.min is uniform in eager (the bias absorbs the
+        # scores). In bf16 / fp32 enn hands the kernel SATURATED_FLOOR there, which it handles
+        # (bench/gpu_saturated_rows.py); fp16 cannot hold a bias that absorbs the scores.
+        return False, ("fp16 cannot hold a bias that absorbs the scores: a row masked whole with finfo.min "
+                       "(left padding) would not be eager's uniform row")
     return True, "SDPA memory-efficient: masks and bias tensors (with bias gradient)"
 
 
@@ -186,17 +186,17 @@ def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
         # ALiBi / window structure goes to FlexAttention in the graph; where flex cannot take it
         # (dynamic shapes, head dim), enn::attention would run it through a materialized bias.
         return True, "CUDA ALiBi/window that FlexAttention cannot take here: " + check_flex(p)[1]
-    if p.device == "cuda" and (p.has_mask or (p.has_bias and (p.bias_grad or not p.bias_finite
-                                                               or p.bias_may_saturate))):
+    if p.device == "cuda" and (p.has_mask or (p.has_bias and (p.bias_grad or not p.bias_finite or (
+            p.bias_may_saturate and p.dtype == "float16")))):
         # A boolean mask, a bias that may hold -inf or one that needs a gradient runs inside
         # enn::attention's Python body (dead-row handling, recompute backward). Measured on an
         # H200 (the first zoo run, bf16) that was slower than Inductor's own fused code (BERT
         # inference 1.93 vs 1.19 ms, T5 2.27 vs 1.04 ms). A provably finite bias without
         # gradient (padding masks) is emitted as the memory-efficient kernel itself (BERT
         # training 1.18x, inference 1.24x Inductor on an H100: bench/results/gpu-h100/gpu.md).
-        return True, ("CUDA attention with a mask tensor, a bias that may hold -inf or mask a whole row with "
-                      "finfo.min, or a bias gradient: Inductor's fused code measured faster than enn::attention's "
-                      "mask path")
+        return True, ("CUDA attention with a mask tensor, a bias that may hold -inf (or, in fp16, mask a whole "
+                      "row with finfo.min), or a bias gradient: Inductor's fused code measured faster than "
+                      "enn::attention's mask path")
     return False, "only for tiny CPU problems and CUDA ALiBi / window structure / mask tensors"
 
 

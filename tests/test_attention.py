@@ -192,8 +192,9 @@ def test_saturated_rows_of_a_finfo_min_mask(order, monkeypatch):
 
 def test_saturated_counts():
     fb = torch.tensor([[0.0, -3e38, 0.0], [-3e38, -3e38, -3e38], [-3e38, -3e38, float("-inf")],
-                       [float("-inf")] * 3, [-1.0, -2e30, -5.0]])
-    assert A.saturated_counts(fb).flatten().tolist() == [1.0, 3.0, 2.0, 1.0, 1.0]
+                       [float("-inf")] * 3, [-1.0, -2e30, -5.0], [-3e38, -2e30, -3e38]])
+    # the last row: every key is at or below SATURATED, which kernel_bias gives one value
+    assert A.saturated_counts(fb).flatten().tolist() == [1.0, 3.0, 2.0, 1.0, 1.0, 3.0]
 
 
 def as_pre_pass():
@@ -446,19 +447,35 @@ def test_policy_choices():
     assert forced.backend == "cpu_flash" and "cudnn impossible" in forced.forced_failed  # a forced kernel stays fused
 
 
-def test_policy_keeps_saturating_biases_off_the_memory_efficient_kernel():
-    """A finfo.min bias can mask a whole row; CUDA's memory-efficient kernel does not give eager's
-    uniform row there, so the policy leaves such attention to Inductor (a -10000 mask cannot)."""
+def test_policy_sends_saturating_biases_to_the_memory_efficient_kernel_except_in_fp16():
+    """A finfo.min bias can mask a whole row. In bf16 / fp32 the kernel gets SATURATED_FLOOR
+    there and gives eager's uniform row; fp16 cannot hold a bias that absorbs the scores, so
+    there the policy leaves such attention to Inductor (a -10000 mask cannot saturate)."""
     from enn_backend.attention_policy import check_efficient
 
-    base = dict(device="cuda", capability=(9, 0), dtype="bfloat16", head_dim=64, head_dim_v=64, tq=512, tk=512,
+    base = dict(device="cuda", capability=(9, 0), head_dim=64, head_dim_v=64, tq=512, tk=512,
                 heads_q=12, heads_kv=12, causal=False, window=0, has_mask=False, has_bias=True, bias_grad=False,
                 alibi=False, training=True, bias_finite=True)
-    assert choose(AttentionProblem(**base)).backend == "efficient"
-    saturating = AttentionProblem(**base, bias_may_saturate=True)
+    for dtype in ("bfloat16", "float32"):
+        assert choose(AttentionProblem(**base, dtype=dtype)).backend == "efficient"
+        assert choose(AttentionProblem(**base, dtype=dtype, bias_may_saturate=True)).backend == "efficient"
+    assert choose(AttentionProblem(**base, dtype="float16")).backend == "efficient"
+    saturating = AttentionProblem(**base, dtype="float16", bias_may_saturate=True)
     assert choose(saturating).backend == "inductor"
     ok, why = check_efficient(saturating)
-    assert not ok and "finfo.min" in why
+    assert not ok and "fp16" in why
+
+
+def test_kernel_bias_floors_saturating_values():
+    """What a kernel receives: -inf stays, values at or below SATURATED become SATURATED_FLOOR
+    (bf16 / fp32), fp16 clamps to its range; ordinary values pass unchanged."""
+    fb = torch.tensor([0.0, -5.0, -2e30, torch.finfo(torch.float32).min, float("-inf")])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = A.kernel_bias(fb, dtype)
+        assert got.dtype == dtype
+        assert got.float().tolist() == [0.0, -5.0, A.SATURATED_FLOOR, A.SATURATED_FLOOR, float("-inf")]
+    half = A.kernel_bias(fb, torch.float16).float().tolist()
+    assert half == [0.0, -5.0, -65504.0, -65504.0, float("-inf")]
 
 
 def test_forced_impossible_backend_is_recorded():
@@ -552,20 +569,33 @@ def test_dynamic_shapes_keep_causal_structure_without_recompiles():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_efficient_kernel_on_saturated_rows_differs_from_eager():
-    """Why the policy keeps finfo.min biases off SDPA's memory-efficient kernel: on a row whose
-    every key is at finfo.min, eager's softmax is uniform and the kernel's output is not (measured
-    on an H100 with bench/gpu_saturated_rows.py). If a torch update makes the kernel agree, this
-    fails, and the policy can hand it such biases again."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_efficient_kernel_on_saturated_rows(dtype):
+    """On a row whose every key is at finfo.min eager's softmax is uniform. SDPA's
+    memory-efficient kernel given finfo.min is not (it overflows to -inf and reads the row as
+    fully masked); given kernel_bias's SATURATED_FLOOR it is, and its backward with the
+    incoming gradient divided by saturated_counts gives eager's gradients (measured with
+    bench/gpu_saturated_rows.py). If a torch update changes either, this fails."""
     torch.manual_seed(0)
-    b, h, t, d = 2, 4, 64, 64
-    q, k, v = (torch.randn(b, h, t, d, device="cuda") for _ in range(3))
+    b, h, t, d, pad = 2, 4, 64, 64, 20
+    q, k, v, g = (torch.randn(b, h, t, d, device="cuda", dtype=dtype) for _ in range(4))
     keep = torch.ones(b, 1, t, t, dtype=torch.bool, device="cuda").tril()
-    keep[1, :, :, :20] = False  # batch 1 is left-padded: its first 20 query rows see only padding
+    keep[1, :, :, :pad] = False  # batch 1 is left-padded: its first rows see only padding
     bias = torch.zeros(b, 1, t, t, device="cuda").masked_fill(~keep, torch.finfo(torch.float32).min)
-    want = torch.softmax(q @ k.transpose(-1, -2) * d ** -0.5 + bias, -1) @ v
-    out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias.expand(b, h, t, t), False, 0.0, False,
-                                                                 scale=d ** -0.5)[0]
-    torch.testing.assert_close(out[0], want[0], atol=1e-4, rtol=1e-4)  # ordinary rows agree
-    torch.testing.assert_close(out[1, :, 20:], want[1, :, 20:], atol=1e-4, rtol=1e-4)
-    assert (out[1, :, :20] - want[1, :, :20]).abs().max() > 1e-2  # saturated rows do not
+    qq, kk, vv = (x.float().requires_grad_() for x in (q, k, v))
+    want = torch.softmax(qq @ kk.transpose(-1, -2) * d ** -0.5 + bias, -1) @ vv
+    want_grads = torch.autograd.grad(want, (qq, kk, vv), g.float())
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    raw = efficient(q, k, v, bias.clamp_min(torch.finfo(dtype).min).to(dtype).expand(b, h, t, t), False, 0.0,
+                    False, scale=d ** -0.5)[0]
+    assert (raw[1, :, :pad].float() - want[1, :, :pad]).abs().max() > 1e-2  # finfo.min: wrong rows
+
+    kb = A.kernel_bias(bias, dtype).expand(b, h, t, t)
+    out, lse, seed, offset = efficient(q, k, v, kb, True, 0.0, False, scale=d ** -0.5)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), want, **tol)
+    gg = (g.float() / A.saturated_counts(kb.float())).to(dtype)
+    grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        gg, q, k, v, kb, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=d ** -0.5)[:3]
+    for got, w in zip(grads, want_grads):
+        torch.testing.assert_close(got.float(), w, **tol)

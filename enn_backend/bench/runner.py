@@ -340,18 +340,24 @@ def _profile(fns: dict[str, Callable[[], Any]], device: str, steps: int = 0, top
             for _ in range(steps):
                 fn()
             _sync(device)
-        rows = []
+        # On CUDA a kernel's time shows twice: on the kernel's own (device) event and as the
+        # device time of the CPU-side op or launcher that issued it. Time counts kernels only;
+        # call counts come from every event (operators, launches and kernels).
+        timed, calls = [], {}
         for ev in prof.key_averages():
+            calls[ev.key[:90]] = ev.count / steps
+            if cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
             dev_t = getattr(ev, "self_device_time_total", None)
             if dev_t is None:
                 dev_t = getattr(ev, "self_cuda_time_total", 0.0)
             t = dev_t if cuda else ev.self_cpu_time_total
-            rows.append({"name": ev.key[:90], "calls_per_step": ev.count / steps, "self_ms_per_step": t / 1e3 / steps})
-        rows.sort(key=lambda r: -r["self_ms_per_step"])
+            timed.append({"name": ev.key[:90], "calls_per_step": ev.count / steps, "self_ms_per_step": t / 1e3 / steps})
+        timed.sort(key=lambda r: -r["self_ms_per_step"])
         out[name] = {"clock": "device" if cuda else "cpu", "steps": steps,
-                     "total_ms_per_step": sum(r["self_ms_per_step"] for r in rows),
-                     "top": [r for r in rows if r["self_ms_per_step"] > 0][:top],
-                     "calls": {r["name"]: r["calls_per_step"] for r in rows[:80]}}
+                     "total_ms_per_step": sum(r["self_ms_per_step"] for r in timed),
+                     "top": [r for r in timed if r["self_ms_per_step"] > 0][:top],
+                     "calls": calls}
     return out
 
 

@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..attention_policy import AttentionProblem, choose
-from ..custom_ops.attention import SATURATED
+from ..custom_ops.attention import SATURATED, SATURATED_FLOOR, floors_saturated
 from ..report import FallbackKind, report
 from . import EnnPass, PassContext, current_module_state
 
@@ -750,14 +750,23 @@ class _Rewrite:
         return isinstance(tk, int) and tk % 8 == 0  # the kernels' bias alignment (else SDPA pads a copy)
 
     def _native_bias(self, bias, q4, k4, before):
-        """The bias in the kernel's dtype and 4-D shape. A provably finite bias stays finite:
-        it is clamped to the kernel dtype's range before the cast (fp32 finfo.min -> bf16 is -inf)."""
+        """The bias in the kernel's dtype and 4-D shape, as custom_ops.attention.kernel_bias
+        makes it. A provably finite bias stays finite (fp32 finfo.min cast to bf16 would be
+        -inf). In bf16 / fp32, values at or below SATURATED become SATURATED_FLOOR, which the
+        kernels handle in saturated rows (HF's finfo.min there overflows the CUDA
+        memory-efficient kernel); in fp16 values are clamped to its range."""
         if bias is None:
             return None
         dt = _val(q4).dtype
-        if _val(bias).dtype != dt:
+        if floors_saturated(dt):
+            above = self.call(aten.gt.Scalar, (bias, SATURATED), before=before)
+            bias = self.call(aten.where.ScalarOther, (above, bias, SATURATED_FLOOR), before=before)
+            if _val(bias).dtype != dt:
+                bias = self.call(aten.clamp_max.default, (bias, torch.finfo(dt).max), before=before)
+        elif _val(bias).dtype != dt:
             bias = self.call(aten.clamp_min.default, (bias, torch.finfo(dt).min), before=before)
             bias = self.call(aten.clamp_max.default, (bias, torch.finfo(dt).max), before=before)
+        if _val(bias).dtype != dt:
             bias = self._cast(bias, dt, before)
         while len(_shape(bias)) < 4:
             bias = self.call(aten.unsqueeze.default, (bias, 0), before=before)
