@@ -165,7 +165,9 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
         "a speedup is the median over rounds of the per-round time ratio (the two samples of a round share its noise). "
         "Training step = zero_grad + forward + loss + backward + AdamW step (the model is compiled, the optimizer runs eagerly). "
         "Cold compile = first call (forward + backward for training) into an empty per-backend Inductor cache; "
-        "warm compile = the same after a Dynamo reset, from that backend's filled disk cache.")
+        "warm compile = the same after a Dynamo reset, from that backend's filled disk cache. "
+        "Which compiled backend compiles first alternates from workload to workload within each mode and dtype "
+        "(`compile_order` in the JSON).")
     if not str(dev.get("device", "")).startswith("cuda"):
         lines += ["", "CPU timings are wall clock on a shared machine: other processes add noise; compare ratios, not absolute times. "
                   "Peak memory is not measured on CPU."]
