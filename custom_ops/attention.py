@@ -143,9 +143,9 @@ def dead_rows(q, k, bias, mask, causal, window) -> Optional[torch.Tensor]:
 SATURATED = -1e30
 
 # What a kernel receives in place of every finite bias at or below SATURATED (bf16 / fp32
-# kernels). HF's fp32 ``finfo.min`` cannot go as is: the CUDA memory-efficient kernel scales
-# scores by log2(e) and -3.4e38 overflows to -inf there, so a saturated row reads as fully
-# masked (wrong output, no gradient); and -1e30 in bf16 gives NaN gradients from that kernel.
+# kernels). HF's fp32 ``finfo.min`` cannot go as is: the CUDA memory-efficient kernel treats a
+# saturated row as fully masked (log-sum-exp 0, output not uniform, no gradient; most likely
+# its log2(e) scaling overflows to -inf), and -1e30 in bf16 gives NaN gradients from it.
 # This power of two gives eager's uniform row and, with saturated_counts, eager's gradients,
 # in bf16 and fp32 on every shape tried (bench/gpu_saturated_rows.py,
 # bench/results/gpu-h100/saturated_rows.log). fp16 cannot hold it (nor any bias that absorbs
