@@ -1,0 +1,56 @@
+"""Where the cold compile time goes, enn vs inductor, for one zoo workload on the GPU.
+
+Compiles the workload's first training step (forward + backward) into an empty Inductor cache
+per backend and prints torch._dynamo.utils.compile_times() (seconds per compiler phase) and
+the wall time, so a slow compile can be traced to the phase that takes it.
+
+Run:  python bench/gpu_compile_profile.py alibi train
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch._dynamo
+from torch._dynamo.utils import compile_times
+
+import enn_backend  # noqa: F401  (registers backend="enn")
+from enn_backend import compat
+from enn_backend.bench import zoo
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return
+    name, mode = (sys.argv[1:3] + ["alibi", "train"][len(sys.argv[1:3]):])[:2]
+    root = tempfile.mkdtemp(prefix="compile-profile-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "warm-up")
+    torch.compile(lambda x: (x.sin() @ x).relu())(torch.randn(64, 64, device="cuda"))  # compiler start-up
+    for backend in ("inductor", "enn"):
+        torch._dynamo.reset()
+        torch._dynamo.utils.compilation_time_metrics.clear()  # per backend, not accumulated
+        compat.clear_inductor_memory_caches()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, backend)
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, backend, "triton")
+        model, make_inputs, loss_fn = zoo.build(name, "gpu-real", device="cuda", seed=0)
+        model.train(mode == "train")
+        batch = make_inputs(0)
+        fn = torch.compile(model, backend=backend)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", torch.bfloat16), torch.set_grad_enabled(mode == "train"):
+            out = fn(*batch.args)
+            if mode == "train":
+                loss_fn(out, batch.target).backward()
+        torch.cuda.synchronize()
+        print(f"=== {backend}: {name} {mode} cold compile {time.perf_counter() - t0:.2f} s")
+        print(compile_times(repr="str", aggregate=True))
+
+
+if __name__ == "__main__":
+    main()
