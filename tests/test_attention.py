@@ -599,3 +599,27 @@ def test_efficient_kernel_on_saturated_rows(dtype):
         gg, q, k, v, kb, out, lse, seed, offset, 0.0, [True, True, True, False], False, scale=d ** -0.5)[:3]
     for got, w in zip(grads, want_grads):
         torch.testing.assert_close(got.float(), w, **tol)
+
+
+def test_saturated_rows_under_bf16_autocast():
+    """The same all-padding rows under CPU bf16 autocast, on ATen's CPU flash kernel in bf16: the
+    kernel gets the mask as kernel_bias makes it (finfo.min -> SATURATED_FLOOR, which bf16 holds)
+    and gives eager's uniform rows and gradients."""
+    pad = torch.ones(B, T)
+    pad[0, :] = 0  # batch 0: all padding
+    pad[1, 5:] = 0
+    q, k, v = qkv()
+    gout = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(1))
+
+    def run(fn):
+        with torch.autocast("cpu", torch.bfloat16):
+            out = fn(q, k, v, pad)
+        return out.float(), torch.autograd.grad(out, (q, k, v), gout.to(out.dtype))
+
+    want, want_grads = run(finfo_min_padding)
+    got, got_grads = run(torch.compile(finfo_min_padding, backend="enn", options={"attention_backend": "flash"}))
+    assert choices()[0]["choice"] == "cpu_flash", choices()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
