@@ -602,9 +602,10 @@ def test_efficient_kernel_on_saturated_rows(dtype):
 
 
 def test_saturated_rows_under_bf16_autocast():
-    """The same all-padding rows under CPU bf16 autocast, on ATen's CPU flash kernel in bf16: the
-    kernel gets the mask as kernel_bias makes it (finfo.min -> SATURATED_FLOOR, which bf16 holds)
-    and gives eager's uniform rows and gradients."""
+    """The same all-padding rows under CPU bf16 autocast, on ATen's CPU flash kernel in bf16
+    (the mask floored at SATURATED_FLOOR, which bf16 holds): eager's uniform rows and gradients.
+    This kernel also handles bf16 finfo.min; the CUDA kernel that does not is pinned by
+    test_efficient_kernel_on_saturated_rows."""
     pad = torch.ones(B, T)
     pad[0, :] = 0  # batch 0: all padding
     pad[1, 5:] = 0
