@@ -192,8 +192,9 @@ def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
         # enn::attention's Python body (dead-row handling, recompute backward). Measured on an
         # H200 (the first zoo run, bf16) that was slower than Inductor's own fused code (BERT
         # inference 1.93 vs 1.19 ms, T5 2.27 vs 1.04 ms). A provably finite bias without
-        # gradient (padding masks) is emitted as the memory-efficient kernel itself (BERT
-        # training 1.18x, inference 1.24x Inductor on an H100: bench/results/gpu-h100/gpu.md).
+        # gradient (padding masks, finfo.min ones too outside fp16) is emitted as the
+        # memory-efficient kernel itself (zoo BERT on an H100: training 1.03x / 1.01x, inference
+        # 1.23x / 1.08x Inductor in two runs, bench/results/gpu-h100/gpu_run1.md and gpu.md).
         return True, ("CUDA attention with a mask tensor, a bias that may hold -inf (or, in fp16, mask a whole "
                       "row with finfo.min), or a bias gradient: Inductor's fused code measured faster than "
                       "enn::attention's mask path")
