@@ -285,3 +285,22 @@ def test_enn_summary_counts_unit_level_fallbacks():
     s = runner._enn_summary(units)
     assert s["fallbacks"] == {"compile_error": 1} and "plain Inductor" in s["fallback_details"][0]
     assert runner._enn_summary({"g98"})["fallbacks"] == {}
+
+
+def test_first_compile_alternates_within_each_mode(monkeypatch):
+    """The backend compiled first alternates from workload to workload within each (mode,
+    dtype) group, so no group's ratios all carry the first-compile effect for one backend (the
+    suite used to compile enn first in every inference workload)."""
+    shifts = []
+
+    def fake_workload(model, mode, dtype, cfg, cache_root, order_shift=0):
+        shifts.append((mode, dtype, order_shift))
+        return {"model": model, "mode": mode, "dtype": dtype, "backends": {}}
+
+    monkeypatch.setattr(runner, "run_workload", fake_workload)
+    cfg = runner.BenchConfig(models=["mlp", "gpt2_naive", "bert", "llama"], modes=["train", "infer"],
+                             dtypes=["fp32"], backends=["eager", "inductor", "enn"], preset="test",
+                             command="pytest", warm_up=False)
+    runner.run_suite(cfg)
+    for mode in ("train", "infer"):
+        assert [s for m, _, s in shifts if m == mode] == [0, 1, 2, 3], shifts
