@@ -624,3 +624,28 @@ def test_saturated_rows_under_bf16_autocast():
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def _int_padding(fill):
+    def attend(q, k, v, pad):  # pad: an integer attention mask (1 keep, 0 pad), as HF passes it
+        att = q @ k.transpose(-1, -2) / math.sqrt(q.size(-1)) + (1.0 - pad[:, None, None, :].to(q.dtype)) * fill
+        return att.softmax(-1) @ v
+    return attend
+
+
+@pytest.mark.parametrize("fill", [-10000.0, torch.finfo(torch.float32).min], ids=["-10000", "finfo.min"])
+def test_report_says_when_a_mask_is_floored(fill):
+    """An integer padding mask scaled by a finite fill is provably finite: the pass emits the
+    kernel itself. The report says when the kernel gets the finfo.min-sized values as -2**100
+    (and not for a -10000 mask, which cannot saturate a row)."""
+    pad = torch.ones(B, T, dtype=torch.long)
+    pad[1, 5:] = 0
+    if fill < -1e30:
+        # batch 0 all padding: saturated rows. (With -10000 such a row keeps its scores, rounded
+        # at 10000's ulp; the kernel's backward recomputes P from a log-sum-exp of that size and
+        # differs from eager by ~5e-4 relative there, more than this test's fp32 tolerance.)
+        pad[0, :] = 0
+    check(_int_padding(fill), (*qkv(), pad))
+    reason = choices()[0]["reason"]
+    assert "emitted as the ATen kernel itself" in reason, reason
+    assert ("-2**100" in reason) == (fill < -1e30), reason

@@ -110,6 +110,7 @@ def test_hf_attention_fused_cpu(name):
     choices = _check(name, "cpu", {"attention_backend": "flash"}, autocast=False)
     assert {c["choice"] for c in choices} == {"cpu_flash"}
     assert all(EMITTED in c["reason"] for c in choices), choices
+    assert all("-2**100" in c["reason"] for c in choices), choices  # every HF mask is finfo.min-based
 
 
 def test_hf_left_padded_explicit_math_cpu():

@@ -720,6 +720,9 @@ class _Rewrite:
             self.reason += "; emitted as FlexAttention ops in the graph (compiled by Inductor)"
         elif native:
             self.reason += "; emitted as the ATen kernel itself (no fully-masked row is possible)"
+            if saturating and floors_saturated(_val(q4).dtype):
+                self.reason += ("; finfo.min-sized bias values handed to the kernel as -2**100, so rows masked "
+                                "whole stay uniform as in eager")
         state = current_module_state()
         for index, value in relied:
             state.assume(index, value)
