@@ -15,8 +15,7 @@ import tempfile
 import time
 
 import torch
-import torch._dynamo
-from torch._dynamo.utils import compile_times
+from torch._dynamo.utils import compile_times  # torch's own per-phase timers (no public API)
 
 import enn_backend  # noqa: F401  (registers backend="enn")
 from enn_backend import compat
@@ -32,7 +31,7 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "warm-up")
     torch.compile(lambda x: (x.sin() @ x).relu())(torch.randn(64, 64, device="cuda"))  # compiler start-up
     for backend in ("inductor", "enn"):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         torch._dynamo.utils.compilation_time_metrics.clear()  # per backend, not accumulated
         compat.clear_inductor_memory_caches()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, backend)

@@ -17,7 +17,6 @@ import sys
 import tempfile
 
 import torch
-import torch._dynamo
 
 import enn_backend  # noqa: F401  (registers backend="enn")
 from enn_backend import compat
@@ -57,7 +56,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="mlp-probe-")
     compiled = {}
     for backend in order:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         compat.clear_inductor_memory_caches()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, backend)
         os.environ["TRITON_CACHE_DIR"] = os.path.join(root, backend, "triton")
