@@ -602,10 +602,11 @@ def test_efficient_kernel_on_saturated_rows(dtype):
 
 
 def test_saturated_rows_under_bf16_autocast():
-    """The same all-padding rows under CPU bf16 autocast, on ATen's CPU flash kernel in bf16
-    (the mask floored at SATURATED_FLOOR, which bf16 holds): eager's uniform rows and gradients.
-    This kernel also handles bf16 finfo.min; the CUDA kernel that does not is pinned by
-    test_efficient_kernel_on_saturated_rows."""
+    """The same all-padding rows under CPU bf16 autocast, through enn::attention's CPU flash
+    backend in bf16 (the float pad is not provably finite, so the op, not the emitted kernel,
+    runs; it floors the mask with kernel_bias and divides saturated rows' gradient by their key
+    count): eager's uniform rows and gradients. This kernel also handles bf16 finfo.min; the
+    CUDA kernel that does not is pinned by test_efficient_kernel_on_saturated_rows."""
     pad = torch.ones(B, T)
     pad[0, :] = 0  # batch 0: all padding
     pad[1, 5:] = 0
