@@ -9,6 +9,9 @@ Inductor's ``compile_fx`` plus enn's passes, decompositions, lowerings and guard
 
 Compile failures walk a ladder, each step recorded in the report: without the
 failing enn pass -> plain Inductor -> the graph runs eagerly.
+
+On a warm start AOT Autograd may load the compiled graphs from its cache instead
+(enn_backend.aot_cache): they are guarded and reported as if just compiled.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
-import torch
 import torch.fx as fx
 
 from . import compat
+from .aot_cache import WarmStart, content_digest
 from .decompositions import decomposition_table
 from .graph_compiler import make_inner_compile
 from .guard.faults import parse_fault_spec
@@ -85,11 +88,15 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     if opts.emulate_precision_casts:
         patches["emulate_precision_casts"] = True
     inner = make_inner_compile(opts, unit, patches, parse_fault_spec(opts.fault_inject))
-    with compat.no_aot_autograd_cache(), module_state(example_inputs) as state:
+    decompositions = decomposition_table(opts.precision)
+    # an AOTAutograd cache hit skips `inner`: WarmStart guards and reports the loaded graphs
+    warm = WarmStart(pristine, example_inputs, opts, unit, patches, decompositions)
+    with compat.aot_cache_hits(warm.on_load), module_state(example_inputs) as state:
         compiled = compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
-                                     decompositions=decomposition_table(opts.precision))
-    if state.assumed:
-        return BufferContentGuard(compiled, _fresh(pristine), state.assumed, unit)
+                                     decompositions=decompositions)
+    assumed = warm.assumed if warm.hit else {i: content_digest(t) for i, t in state.assumed.items()}
+    if assumed:
+        return BufferContentGuard(compiled, _fresh(pristine), assumed, unit)
     return compiled
 
 
@@ -99,12 +106,13 @@ class BufferContentGuard:
     A pass may compile a buffer's content into the graph (nanoGPT's ``tril`` mask buffer
     becomes a causal flag). Dynamo guards neither the values nor the identity of module
     buffers, so before each call this checks each such buffer: same storage and version
-    counter as last checked is free; otherwise its content is compared with the compiled-for
-    copy once (one device sync). A buffer whose content changed makes the call run the
-    captured graph eagerly -- correct for any content -- recorded as a fallback and logged.
+    counter as last checked is free; otherwise the digest of its content is compared with
+    the compiled-for one (one copy to the host). A buffer whose content changed makes the
+    call run the captured graph eagerly -- correct for any content -- recorded as a
+    fallback and logged.
     """
 
-    def __init__(self, compiled: Callable[..., Any], eager: fx.GraphModule, assumed: dict[int, torch.Tensor],
+    def __init__(self, compiled: Callable[..., Any], eager: fx.GraphModule, assumed: dict[int, str],
                  unit: str) -> None:
         self.compiled, self.eager, self.unit = compiled, eager, unit
         self.assumed = assumed
@@ -118,7 +126,7 @@ class BufferContentGuard:
             key = (x.data_ptr(), x._version)
             if self.seen.get(i) == key:
                 continue
-            if x.shape == want.shape and x.dtype == want.dtype and x.device == want.device and torch.equal(x, want):
+            if content_digest(x) == want:
                 self.seen[i] = key
                 continue
             ok = False

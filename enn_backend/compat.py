@@ -75,14 +75,84 @@ def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 @contextlib.contextmanager
 def no_aot_autograd_cache() -> Iterator[None]:
-    """Compile without the AOTAutograd cache (the FX graph cache stays on).
-
-    An AOTAutograd cache hit skips ``inner_compile``, where enn installs its runtime
-    guard around each forward and backward graph; the guard would vanish on a warm
-    start. The FX graph cache (Inductor's codegen + C++/Triton compile, the costly
-    part) lives inside ``compile_fx_inner`` and keeps working.
-    """
+    """Compile without the AOTAutograd cache (the FX graph cache stays on)."""
     with functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+# --- AOTAutograd cache hits (enn_backend/aot_cache.py) ------------------------------------
+# A hit skips ``inner_compile``, where enn wraps each graph in its guard; enn takes the
+# loaded forward/backward artifacts at the one place a hit builds them,
+# ``GenericAOTAutogradResult._load_and_post_compile`` (torch 2.10-2.13), for the length
+# of one enn compile. Where that method is missing, or entries are bundled (they carry no
+# FX graph keys), enn compiles without the AOTAutograd cache, as before 2.10.
+try:
+    from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult as _AOTResult  # noqa: E402
+    from torch._functorch._aot_autograd.autograd_cache import FXGraphCacheMiss  # noqa: E402
+    from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache  # noqa: E402
+
+    _AOT_LOAD = _AOTResult.__dict__.get("_load_and_post_compile")
+except ImportError:  # pragma: no cover - torch < 2.10
+    _AOTResult, _AOT_LOAD = None, None
+
+    class FXGraphCacheMiss(Exception):  # type: ignore[no-redef]
+        pass
+
+    def should_bundle_autograd_cache() -> bool:  # type: ignore[misc]
+        return True
+
+_AOT_HANDLERS: list[Callable[..., Any]] = []
+
+
+def aot_cache_usable() -> bool:
+    """Can enn take AOTAutograd cache hits here (and is the cache switched on)?"""
+    return (_AOT_LOAD is not None and bool(functorch_config.enable_autograd_cache)
+            and not should_bundle_autograd_cache())
+
+
+def _load_and_post_compile(entry: Any, args: Any, fx_config: Any) -> Any:
+    if not _AOT_HANDLERS:
+        return _AOT_LOAD(entry, args, fx_config)
+    return _AOT_HANDLERS[-1](entry, lambda: _AOT_LOAD(entry, args, fx_config))
+
+
+@contextlib.contextmanager
+def aot_cache_hits(handler: Callable[[Any, Callable[[], tuple]], tuple]) -> Iterator[None]:
+    """Within this context an AOTAutograd cache hit goes through ``handler(entry, load)``.
+
+    ``load()`` returns AOT Autograd's ``(forward, backward or None, needs_autograd)``;
+    the handler returns the same triple (its own wrappers around them), or raises
+    :class:`FXGraphCacheMiss` to refuse the entry (AOT Autograd then compiles as on a miss).
+    """
+    if not aot_cache_usable():
+        with no_aot_autograd_cache():
+            yield
+        return
+    _AOT_HANDLERS.append(handler)
+    patched = _AOTResult.__dict__.get("_load_and_post_compile") is _load_and_post_compile
+    if not patched:
+        _AOTResult._load_and_post_compile = _load_and_post_compile
+    try:
+        yield
+    finally:
+        _AOT_HANDLERS.pop()
+        if not patched:
+            _AOTResult._load_and_post_compile = _AOT_LOAD
+
+
+def aot_entry_graph_keys(entry: Any) -> tuple[str | None, str | None]:
+    """The FX graph cache keys of an AOTAutograd cache entry's forward and backward."""
+    def key(part: Any) -> str | None:
+        info = getattr(part, "fx_graph_cache_info", None)
+        return info[0] if isinstance(info, tuple) and info and isinstance(info[0], str) else None
+
+    return key(entry.compiled_fw), key(entry.compiled_bw) if entry.compiled_bw is not None else None
+
+
+@contextlib.contextmanager
+def eager_backward_compile() -> Iterator[None]:
+    """Trace with AOTAutograd's cache off and the backward graph handed over at once."""
+    with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
         yield
 
 
@@ -273,6 +343,7 @@ def real_tensor_mode() -> Any:
 
 
 def inductor_cache_dir() -> str:
+    """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from . import compat
+from . import aot_cache, compat
 from .guard import graph_edit as E
 from .guard.kernel_state import KernelState, graph_key, node_key, state_for
 from .guard.runtime import GuardedGraph
@@ -52,6 +52,9 @@ class GraphCompiler:
         self.record.nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         self.compute_nodes = len(E.candidate_nodes(self.eager_gm))
         self.record.compute_nodes = self.compute_nodes
+        # what the guard's fast path needs: inputs the graph writes into, random draws
+        self.mutated = E.mutated_input_indices(self.eager_gm)
+        self.random = E.has_random_ops(self.eager_gm)
         self.pinned_names: frozenset[str] = self._pins_from_state()
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None
@@ -59,6 +62,11 @@ class GraphCompiler:
         self._pinned_in: dict[int, int] = {}  # id(artifact) -> enn::pinned nodes in it
 
     # ---------------------------------------------------------------- helpers
+    def full(self) -> "GraphCompiler":
+        """The compiler itself (a graph loaded from a cache has a stand-in whose ``full()``
+        traces the graph: enn_backend.aot_cache.CachedGraph)."""
+        return self
+
     def node(self, name: str) -> fx.Node:
         return next(n for n in self.eager_gm.graph.nodes if n.name == name)
 
@@ -204,8 +212,8 @@ def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_spe
                                  config_patches=config_patches, fault_specs=fault_specs)
         compiled = compiler.build()
         log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
-        if opts.guard == "off":
-            return compiled
-        return GuardedGraph(compiler, compiled, compiler.record)
+        returned = compiled if opts.guard == "off" else GuardedGraph(compiler, compiled, compiler.record)
+        aot_cache.offer(compiler, compiled, returned)
+        return returned
 
     return inner_compile

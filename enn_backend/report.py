@@ -10,6 +10,7 @@ nothing enn falls back on is silent.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -19,7 +20,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class GraphRecord:
     compiled_nodes: int = 0
     compile_time_s: float = 0.0
     path: str = "inductor"  # inductor | inductor-without-enn | eager
+    from_cache: bool = False  # loaded from AOTAutograd's cache (enn_backend.aot_cache), not traced
     fusions: dict[str, int] = field(default_factory=dict)
     kernel_choices: list[dict[str, Any]] = field(default_factory=list)
     promotions: list[dict[str, Any]] = field(default_factory=list)
@@ -188,8 +190,9 @@ def format_report(data: dict[str, Any]) -> str:
     lines.append("-" * len(header))
     for g in data.get("graphs", []):
         fus = ", ".join(f"{k}={v}" for k, v in sorted(g.get("fusions", {}).items())) or "-"
+        path = g.get("path", "") + (" (cached)" if g.get("from_cache") else "")
         lines.append(
-            f"{g['id']:<20} {g.get('path', ''):<22} {g.get('nodes', 0):>5} {g.get('compiled_nodes', 0):>8}"
+            f"{g['id']:<20} {path:<22} {g.get('nodes', 0):>5} {g.get('compiled_nodes', 0):>8}"
             f" {len(g.get('pinned', [])):>6} {g.get('compile_time_s', 0.0):>9.2f}  {fus}"
         )
         for c in g.get("kernel_choices", []):
@@ -238,3 +241,18 @@ def report() -> Report:
 def reset() -> None:
     """Forget the report (compiled code and kernel state are not touched)."""
     _REPORT.__init__()
+
+
+@contextlib.contextmanager
+def detached_report() -> Iterator[Report]:
+    """Record into a throwaway report for the length of the block.
+
+    For work that repeats a compile the report already describes (re-tracing a graph
+    loaded from a cache): its passes must not count their fusions and fallbacks twice.
+    """
+    global _REPORT
+    saved, _REPORT = _REPORT, Report()
+    try:
+        yield _REPORT
+    finally:
+        _REPORT = saved

@@ -141,8 +141,8 @@ class GuardedGraph:
         self.counters = record.counters  # the report's counters for this graph, updated per call
         self.calls = 0
         self.since_build = 0  # calls since the current artifact was built
-        self.mutated = E.mutated_input_indices(compiler.eager_gm)
-        self.random = E.has_random_ops(compiler.eager_gm)
+        self.mutated = compiler.mutated
+        self.random = compiler.random
         self.model_nonfinite_seen = False
         self.allowed: dict[int, str] = {}  # outputs whose non-finite values eager makes too
         self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
@@ -244,6 +244,7 @@ class GuardedGraph:
             what = f"another rank's compiled graph {'raised' if kind == 'exception' else 'gave NaN/Inf'} (decision shared by all ranks)"
         else:
             what = "NaN/Inf in compiled output"
+        self._full_compiler(what)
         self._restore(inputs, snapshot, rng)
         eager_out, eager_exc = self._run_eager(self.compiler.safe_gm(), inputs)
         rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
@@ -264,6 +265,25 @@ class GuardedGraph:
             return self._kernel_fault(kind, what, inputs, snapshot, rng, exc, eager_out,
                                       [i for i in (bad or []) if i not in own] or bad, {**self.allowed, **legit})
         return self._eager_nonfinite(what, inputs, snapshot, rng, eager_out, legit, bad or [])
+
+    def _full_compiler(self, what: str) -> None:
+        """Make sure the ladder has the graph: a graph loaded from AOTAutograd's cache has a
+        stand-in compiler until now (enn_backend.aot_cache); this traces the graph."""
+        try:
+            self.compiler = self.compiler.full()
+        except Exception as exc:  # noqa: BLE001
+            report().add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=self.record.phase, graph=self.record,
+                                  reason=f"{what}; this graph came from AOTAutograd's cache and tracing it again "
+                                         f"failed ({type(exc).__name__}: {exc})",
+                                  action="raised: the guard has no eager copy to re-run")
+            raise EnnGuardError(f"enn: {what} in cache-loaded graph {self.record.id}, and its eager copy could not be "
+                                f"rebuilt: {type(exc).__name__}: {exc}") from exc
+
+    def _adopt(self, new: Callable[[list], Any]) -> None:
+        """Make ``new`` the fast path. The artifact first compiled is no longer the graph's: it
+        must not reach AOTAutograd's cache (enn_backend.aot_cache) if that saves it later."""
+        self.compiled, self.since_build = new, 0
+        self.__dict__.pop("_fx_graph_cache_key", None)
 
     def _kernel_fault(self, kind, what, inputs, snapshot, rng, exc, eager_out, bad, legit) -> Any:
         rec, phase, R = self.record, self.record.phase, report()
@@ -312,7 +332,7 @@ class GuardedGraph:
             ) from exc
         R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action)
         self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
-        self.compiled, self.since_build = new, 0
+        self._adopt(new)
         self.compiler.write_repro(kind=kind, what=what, inputs=inputs, snapshot=snapshot, nodes=nodes)
         return eager_out
 
@@ -355,7 +375,7 @@ class GuardedGraph:
                     )
                 new = self.compiler.build(fp32=True)
                 self.compiler.adopt(new, fp32=True)
-                self.compiled, self.since_build = new, 0
+                self._adopt(new)
                 self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)
                 R.add_fallback(FallbackKind.PRECISION, node="<graph>", phase=phase, graph=rec,
                                reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",

@@ -1,0 +1,352 @@
+"""Warm starts from AOT Autograd's cache, with enn's guard and report intact.
+
+On a warm start (a second process, or after ``torch.compiler.reset()``) AOT Autograd can
+load a Dynamo graph's compiled forward and backward from its cache instead of tracing,
+partitioning and running the joint passes again -- most of a warm compile. Such a hit
+skips ``inner_compile``, where enn wraps each graph in its guard, so enn keeps, per
+compiled graph, a small JSON *sidecar* next to Inductor's cache (keyed by the graph's FX
+graph cache key) with what the guard and the report need:
+
+- the report record (fusions, kernel choices, fp32 promotions) and the compile-time
+  fallbacks (declined fusions ...), replayed into the report and the log on a hit;
+- for the fast path: the inputs the graph writes into, and whether it draws random numbers;
+- the graph's kernel-state keys, so a kernel that faulted since the entry was written
+  refuses the hit (the graph is traced and compiled with that node pinned);
+- for a Dynamo graph compiled for a module buffer's content (nanoGPT's causal ``tril``),
+  a digest of that content, checked before each call as on a cold compile.
+
+The guard of a cache-loaded graph needs the graph itself only when something goes wrong:
+then :class:`WarmStart` traces the Dynamo graph once more (AOT cache off), checks that
+each traced graph is the one the cache held (hash of its code), and the ladder proceeds
+as after a cold compile.
+
+Only clean graphs are offered to the cache: compiled by Inductor with enn's passes, no
+pinned node, no fp32 fallback, no injected fault. Anything else -- a missing, corrupt or
+foreign sidecar included -- refuses the hit, and AOT Autograd compiles as on a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+
+from . import compat
+from .debug.log import log_compiled_graph
+from .guard import graph_edit as E
+from .guard.kernel_state import graph_key, node_key, state_for
+from .options import Options
+from .report import FallbackKind, GraphRecord, atomic_write_text, detached_report, report
+
+log = logging.getLogger(__name__)
+
+FORMAT = "enn-aot-graph"
+VERSION = 1
+PHASES = ("forward", "backward", "inference")
+# compile-time fallbacks that describe a clean compile (what a pass declined), replayed on a hit
+REPLAYED = frozenset({FallbackKind.PASS_SKIPPED.value, FallbackKind.KERNEL_CHOICE.value,
+                      FallbackKind.PRECISION_SKIPPED.value})
+_RECORD_FIELDS = ("nodes", "compute_nodes", "compiled_nodes", "fusions", "kernel_choices", "promotions", "counters")
+_FALLBACK_FIELDS = ("kind", "node", "phase", "reason", "action")
+
+
+def sidecar_path(fx_key: str) -> str:
+    return os.path.join(compat.inductor_cache_dir(), "enn", "aot", f"{fx_key}.json")
+
+
+def content_digest(t: torch.Tensor) -> str:
+    """A digest of a tensor's dtype, shape and values (for module buffers a graph relies on)."""
+    with compat.real_tensor_mode():
+        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+        return h.hexdigest()
+
+
+# ------------------------------------------------------------------ cold compiles
+def offer(compiler: Any, compiled: Any, returned: Any) -> None:
+    """After a cold compile of one graph: if it is clean, write its sidecar and let AOT
+    Autograd cache it (it saves an entry only if every graph ``returned`` to it carries
+    an FX graph cache key)."""
+    fx_key = getattr(compiled, "_fx_graph_cache_key", None)
+    entry = _entry(compiler, fx_key) if fx_key else None
+    if entry is not None:
+        try:
+            atomic_write_text(sidecar_path(fx_key), json.dumps(entry, indent=1))
+        except OSError as exc:
+            log.warning("enn: could not write %s (%s); this graph is not offered to AOTAutograd's cache",
+                        sidecar_path(fx_key), exc)
+            entry = None
+    if returned is compiled:
+        if entry is None:  # a bare artifact (guard="off") would be cached by its own key
+            compiled._fx_graph_cache_key = None
+        return
+    if entry is not None:
+        returned._fx_graph_cache_key = fx_key
+        returned._fx_graph_cache_debug_lines = getattr(compiled, "_fx_graph_cache_debug_lines", [])
+        returned._time_taken_ns = getattr(compiled, "_time_taken_ns", 0)
+
+
+def _entry(compiler: Any, fx_key: str) -> dict[str, Any] | None:
+    rec: GraphRecord = compiler.record
+    if (compiler.opts.fault_inject or rec.path != "inductor" or compiler.pinned_names or compiler.fp32
+            or rec.phase not in PHASES):
+        return None
+    own = [f for f in report().fallbacks if f.graph == rec.id]
+    unit: dict[str, Any] | None = None
+    if rec.phase != "backward":  # the unit's compile-time decisions travel with its first graph
+        from .passes import current_module_state
+
+        state = current_module_state()
+        unit = {
+            "fallbacks": [_fallback_dict(f) for f in report().fallbacks if f.graph == compiler.unit],
+            "assumed": {str(i): content_digest(t) for i, t in (state.assumed.items() if state else ())},
+        }
+    if any(f.kind not in REPLAYED for f in own) or (unit and any(f["kind"] not in REPLAYED for f in unit["fallbacks"])):
+        return None
+    gm = compiler.eager_gm
+    return {
+        "format": FORMAT, "version": VERSION, "key": fx_key, "phase": rec.phase,
+        "graph_key": graph_key(gm),
+        "node_keys": sorted({k for n in E.candidate_nodes(gm) if (k := node_key(n))}),
+        "mutated": list(compiler.mutated), "random": bool(compiler.random),
+        "record": {f: getattr(rec, f) for f in _RECORD_FIELDS},
+        "fallbacks": [_fallback_dict(f) for f in own],
+        "unit": unit,
+    }
+
+
+def _fallback_dict(f: Any) -> dict[str, str]:
+    return {k: getattr(f, k) for k in _FALLBACK_FIELDS}
+
+
+# ------------------------------------------------------------------ warm starts
+def read_sidecar(fx_key: str) -> dict[str, Any] | None:
+    """The sidecar of a cached graph, or None (missing; corrupt or foreign: logged)."""
+    path = sidecar_path(fx_key)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        _validate(data, fx_key)
+        return data
+    except Exception as exc:  # noqa: BLE001 - any corruption is survivable: the graph is compiled again
+        log.warning("enn: ignoring %s (%s: %s); the graph is compiled instead of loaded from the cache",
+                    path, type(exc).__name__, exc)
+        report().count("aot_cache.corrupt_sidecar")
+        return None
+
+
+def _validate(d: Any, fx_key: str) -> None:
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise ValueError(what)
+
+    need(isinstance(d, dict) and d.get("format") == FORMAT and d.get("version") == VERSION,
+         "not an enn AOT sidecar of this version")
+    need(d.get("key") == fx_key and d.get("phase") in PHASES, "key or phase does not match")
+    need(isinstance(d.get("graph_key"), str) and all(isinstance(k, str) for k in d.get("node_keys", [None])), "bad keys")
+    need(all(isinstance(i, int) for i in d.get("mutated", [None])) and isinstance(d.get("random"), bool), "bad fast-path data")
+    rec = d.get("record")
+    need(isinstance(rec, dict) and set(rec) == set(_RECORD_FIELDS), "bad record")
+    fallbacks = list(d.get("fallbacks") or [])
+    unit = d.get("unit")
+    if d["phase"] != "backward":
+        need(isinstance(unit, dict) and isinstance(unit.get("assumed"), dict), "bad unit data")
+        need(all(k.isdigit() and isinstance(v, str) for k, v in unit["assumed"].items()), "bad buffer digests")
+        fallbacks += unit.get("fallbacks") or []
+    need(all(isinstance(f, dict) and set(f) == set(_FALLBACK_FIELDS) and f["kind"] in REPLAYED for f in fallbacks),
+         "bad fallbacks")
+
+
+class WarmStart:
+    """One enn compile of a Dynamo graph, ready to take an AOTAutograd cache hit.
+
+    ``on_load`` is the hit handler (:func:`enn_backend.compat.aot_cache_hits`). After the
+    compile, ``hit`` says whether the graphs came from the cache and ``assumed`` holds the
+    buffer digests the cold compile relied on.
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str,
+                 config_patches: dict, decompositions: dict) -> None:
+        self.gm, self.opts, self.unit = gm, opts, unit
+        self.config_patches, self.decompositions = config_patches, decompositions
+        self.tracing_ctx = compat.current_tracing_context()
+        self.ambient = _Ambient()
+        # parameters and buffers are held (the module holds them anyway); other inputs weakly,
+        # so a warm start does not keep the first batch alive
+        self._inputs = [_InputRef(x) for x in example_inputs]
+        # how Dynamo fakified each input (static or symbolic sizes); Dynamo forgets it after the
+        # compile, and AOT Autograd makes every size symbolic for an input it does not know
+        known = getattr(self.tracing_ctx, "tensor_to_context", None)
+        self._symbolic = [known.get(x) if known is not None and isinstance(x, torch.Tensor) else None
+                          for x in example_inputs]
+        self.hit = False
+        self.assumed: dict[int, str] = {}
+        self._traced: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------ the hit
+    def on_load(self, entry: Any, load: Callable[[], tuple]) -> tuple:
+        fw_key, bw_key = compat.aot_entry_graph_keys(entry)
+        metas = [self._accept(fw_key)] + ([self._accept(bw_key)] if entry.compiled_bw is not None else [])
+        t0 = time.perf_counter()
+        fw, bw, needs_autograd = load()
+        load_s = time.perf_counter() - t0
+        self.hit = True
+        unit = metas[0]["unit"]
+        self.assumed = {int(i): d for i, d in unit["assumed"].items()}
+        for f in unit["fallbacks"]:
+            report().add_fallback(FallbackKind(f["kind"]), node=f["node"], phase=f["phase"], graph=self.unit,
+                                  reason=f["reason"], action=f["action"])
+        report().count("aot_cache.hits")
+        fw = self._wrap(fw, metas[0], load_s)
+        if bw is not None:
+            bw = self._wrap(bw, metas[1], 0.0)
+        log.debug("enn: %s loaded from AOTAutograd's cache in %.2fs", self.unit, load_s)
+        return fw, bw, needs_autograd
+
+    def _accept(self, fx_key: str | None) -> dict[str, Any]:
+        meta = read_sidecar(fx_key) if fx_key else None
+        why = None
+        if meta is None:
+            why = "no enn sidecar for the cached graph"
+        elif self.opts.fault_inject:
+            why = "fault injection is on (faults are planted at compile time)"
+        else:
+            state = state_for(self.opts)
+            entries = [state.lookup(k) for k in meta["node_keys"]]
+            if any(e is not None and e.action == "pinned" for e in entries) or state.lookup(meta["graph_key"]):
+                why = f"kernel state in {state.path} records faults for kernels in this graph"
+        if why is not None:
+            log.info("enn: not using AOTAutograd's cache entry for %s: %s", self.unit, why)
+            report().count("aot_cache.refused")
+            raise compat.FXGraphCacheMiss(f"enn: {why}")
+        return meta
+
+    def _wrap(self, compiled: Any, meta: dict[str, Any], load_s: float) -> Any:
+        from .guard.runtime import GuardedGraph
+
+        rec = report().new_graph(self.unit, meta["phase"])
+        for f in _RECORD_FIELDS:
+            setattr(rec, f, meta["record"][f])
+        rec.compile_time_s, rec.from_cache = load_s, True
+        for f in meta["fallbacks"]:
+            report().add_fallback(FallbackKind(f["kind"]), node=f["node"], phase=f["phase"], graph=rec,
+                                  reason=f["reason"], action=f["action"])
+        log_compiled_graph(rec)
+        if self.opts.guard == "off":
+            return compiled
+        return GuardedGraph(CachedGraph(self, meta, rec), compiled, rec)
+
+    # ------------------------------------------------------------ the graphs, when the guard needs them
+    def traced(self, phase: str, expected_key: str, record: GraphRecord) -> Any:
+        """The GraphCompiler of this unit's ``phase`` graph, from a fresh trace (once per unit)."""
+        if self._traced is None:
+            self._traced = self._trace()
+        compiler = self._traced.get(phase)
+        if compiler is None:
+            raise RuntimeError(f"tracing {self.unit} again gave no {phase} graph")
+        if graph_key(compiler.eager_gm) != expected_key:
+            raise RuntimeError(f"tracing {self.unit} again gave a {phase} graph that differs from the cached one")
+        compiler.record = record
+        return compiler
+
+    def _trace(self) -> dict[str, Any]:
+        from .graph_compiler import GraphCompiler
+        from .passes import module_state
+
+        traced: dict[str, Any] = {}
+
+        def capture(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+            compiler = GraphCompiler(gm, example_inputs, kwargs, opts=self.opts, unit=self.unit,
+                                     config_patches=self.config_patches, fault_specs=())
+            traced[compiler.phase] = compiler
+            return compiler.eager_callable()  # never called: only the graphs are wanted
+
+        t0 = time.perf_counter()
+        inputs = [ref.get() for ref in self._inputs]
+        for x, symbolic in zip(inputs, self._symbolic):
+            if symbolic is not None:
+                self.tracing_ctx.tensor_to_context[x] = symbolic
+        with (detached_report(), self.ambient.restored(), compat.eager_backward_compile(),
+              compat.tracing_context(self.tracing_ctx), module_state(inputs)):
+            compat.compile_fx(compat.copy_dynamo_graph(self.gm), inputs, inner_compile=capture,
+                              config_patches=self.config_patches, decompositions=self.decompositions)
+        log.info("enn: traced %s again in %.2fs (its graphs came from AOTAutograd's cache; the guard needs them)",
+                 self.unit, time.perf_counter() - t0)
+        return traced
+
+
+class CachedGraph:
+    """Stands in for the GraphCompiler of a graph loaded from the cache.
+
+    It carries what the guard's fast path reads; :meth:`full` gives the real GraphCompiler
+    (from a fresh trace) when the guard's ladder needs the graph.
+    """
+
+    def __init__(self, warm: WarmStart, meta: dict[str, Any], record: GraphRecord) -> None:
+        self.warm, self.record = warm, record
+        self.opts = warm.opts
+        self.phase = meta["phase"]
+        self.graph_key = meta["graph_key"]
+        self.mutated = list(meta["mutated"])
+        self.random = meta["random"]
+
+    def full(self) -> Any:
+        return self.warm.traced(self.phase, self.graph_key, self.record)
+
+
+class _InputRef:
+    """An example input, held strongly (parameters, buffers, non-tensors) or weakly.
+
+    A weakly held input that is gone is replaced by an uninitialized tensor of the same
+    size, stride, dtype and device: tracing reads only those.
+    """
+
+    def __init__(self, x: Any) -> None:
+        self.strong = None if _weak(x) else x
+        self.ref = weakref.ref(x) if _weak(x) else None
+        if self.ref is not None:
+            self.spec = (tuple(x.shape), tuple(x.stride()), x.dtype, x.device, x.requires_grad)
+
+    def get(self) -> Any:
+        if self.ref is None:
+            return self.strong
+        x = self.ref()
+        if x is not None:
+            return x
+        shape, stride, dtype, device, requires_grad = self.spec
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+
+def _weak(x: Any) -> bool:
+    return (isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter)
+            and getattr(x, "_dynamo_static_input_type", None) is None)
+
+
+class _Ambient:
+    """The grad mode and autocast state a compile traced under (a re-trace restores them:
+    it may run inside a backward call, where both differ)."""
+
+    def __init__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        self.autocast = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in devices}
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(self.grad))
+            for device, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            yield

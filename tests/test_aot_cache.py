@@ -1,0 +1,202 @@
+"""Warm starts from AOT Autograd's cache: the graphs come back guarded, reported and exact.
+
+One cold compile (the zoo's one-layer nanoGPT, its ``tril`` buffer compiled as a causal
+flag) fills an Inductor cache folder; each test starts warm from it: a hit skips the
+trace, the joint passes and ``inner_compile`` (enn_backend/aot_cache.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import glob
+import json
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend.bench import runner, zoo
+from enn_backend.guard.runtime import GuardedGraph
+
+OPTIONS = {"attention_backend": "flash", "persist": False}
+
+
+def _step(compiled, model, batch, loss_fn):
+    loss = loss_fn(compiled(*batch.args), batch.target)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _compile_and_step(cache, options=OPTIONS, model=None):
+    """Fresh Dynamo and in-memory caches, then one training step compiled from ``cache``."""
+    torch.compiler.reset()
+    enn_backend.reset()
+    entry = zoo.build("gpt2_naive", "cpu-small", n_layer=1)
+    model = model or copy.deepcopy(entry.model)
+    batch = entry.make_inputs(0)
+    with runner.cache_dir(cache):
+        compiled = torch.compile(model, backend="enn", options=options)
+        loss, grads = _step(compiled, model, batch, entry.loss_fn)
+    return compiled, model, batch, entry.loss_fn, loss, grads
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """The cold compile: its cache folder, report and results."""
+    cache = str(tmp_path_factory.mktemp("inductor"))
+    torch.manual_seed(0)
+    *_, loss, grads = _compile_and_step(cache)
+    rep = enn_backend.report().to_dict()
+    assert not any(g["from_cache"] for g in rep["graphs"])
+    return cache, rep, loss, grads
+
+
+def _warm(cold_cache, tmp_path, options=OPTIONS):
+    cache = str(tmp_path / "inductor")
+    shutil.copytree(cold_cache, cache)  # each test may damage its own copy
+    return cache, _compile_and_step(cache, options)
+
+
+def _cache_loaded_guard(phase):
+    """The GuardedGraph of the report's cache-loaded ``phase`` graph (earlier tests' may be alive)."""
+    (record,) = [g for g in enn_backend.report().graphs if g.phase == phase and g.from_cache]
+    return next(o for o in gc.get_objects() if type(o) is GuardedGraph and o.record is record)
+
+
+def _without_times(graphs):
+    skip = {"compile_time_s", "from_cache", "counters", "events", "id"}
+    return [{k: v for k, v in g.items() if k not in skip} for g in graphs]
+
+
+def test_warm_start_is_a_guarded_reported_cache_hit(cold, tmp_path):
+    cache, rep_cold, loss_cold, grads_cold = cold
+    _, (_, model, *_, loss, grads) = _warm(cache, tmp_path)
+    rep = enn_backend.report().to_dict()
+    assert rep["counters"].get("aot_cache.hits") == 1, rep["counters"]
+    assert [g["from_cache"] for g in rep["graphs"]] == [True, True]
+    # what the report says of the graphs is what the cold compile said (fusions, kernel choices)
+    assert _without_times(rep["graphs"]) == _without_times(rep_cold["graphs"])
+    assert rep["fusions"] == rep_cold["fusions"] == {"attention": 1}
+    # the same kernels: bit-identical loss and gradients
+    assert torch.equal(loss, loss_cold)
+    assert all(torch.equal(grads[n], grads_cold[n]) for n in grads)
+    # both graphs run under the guard (its first calls are checked)
+    assert all(g["counters"].get("checks") == 1 for g in rep["graphs"]), rep["graphs"]
+
+
+def test_fault_in_a_cache_loaded_graph_is_localized_after_a_fresh_trace(cold, tmp_path, caplog):
+    """A cached kernel that starts giving NaN: the guard traces the graph again (it has no copy
+    of a graph it did not compile), re-runs it eagerly and pins the culprit, as after a cold compile."""
+    cache, _, loss_cold, grads_cold = cold
+    _, (compiled, model, batch, loss_fn, *_) = _warm(cache, tmp_path)
+    forward = _cache_loaded_guard("forward")
+    forward.since_build = 0  # check the next call, as in the warm-up
+    cached_kernels = forward.compiled
+
+    def broken(args):  # the cached artifact (only it) now returns NaN logits
+        out = list(cached_kernels(args))
+        out[0] = torch.full_like(out[0], float("nan"))
+        return out
+
+    forward.compiled = broken
+    for p in model.parameters():
+        p.grad = None
+    with caplog.at_level(logging.INFO, logger="enn_backend"), runner.cache_dir(cache):
+        loss, grads = _step(compiled, model, batch, loss_fn)
+    torch.testing.assert_close(loss, loss_cold, rtol=1e-5, atol=1e-5)  # eager's result, not NaN
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads_cold[n], rtol=1e-4, atol=1e-5)
+    assert "traced g0 again" in caplog.text
+    rep = enn_backend.report().to_dict()
+    (fb,) = rep["fallbacks"]
+    assert fb["kind"] == "nonfinite" and fb["phase"] == "forward" and fb["node"] != "<graph>", fb
+    g = next(g for g in rep["graphs"] if g["phase"] == "forward")
+    assert g["pinned"] and g["counters"]["pinned_in_graph"] == len(g["pinned"])
+    assert forward.compiled is not broken
+
+
+def test_models_own_nan_in_a_cache_loaded_graph_blames_nothing(cold, tmp_path):
+    cache, *_ = cold
+    _, (compiled, model, batch, loss_fn, *_) = _warm(cache, tmp_path)
+    forward = _cache_loaded_guard("forward")
+    forward.since_build = 0
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")  # the model's own NaN: eager has it too
+    with runner.cache_dir(cache):
+        loss = loss_fn(compiled(*batch.args), batch.target)
+    assert torch.isnan(loss)
+    rep = enn_backend.report().to_dict()
+    assert [f["kind"] for f in rep["fallbacks"]] == ["model_nonfinite"]
+    assert all(not g["pinned"] for g in rep["graphs"])
+
+
+def test_buffer_content_is_still_guarded_after_a_warm_start(cold, tmp_path):
+    cache, *_ = cold
+    _, (compiled, model, batch, *_) = _warm(cache, tmp_path)
+    assert enn_backend.report().counters["aot_cache.hits"] == 1
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        dict(m.named_buffers())["h.0.attn.bias"].fill_(1.0)  # attend to every key
+    with runner.cache_dir(cache):  # (grad mode on: the cached training graph, not a new compile)
+        got, want = compiled(*batch.args), reference(*batch.args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert enn_backend.report().counters["aot_cache.hits"] == 1 and len(enn_backend.report().graphs) == 2
+    assert [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]] == ["buffer_changed"]
+
+
+def test_a_kernel_pinned_since_refuses_the_hit(cold, tmp_path):
+    """Kernel state recorded after the entry was written (a fault in another run) must not be
+    bypassed by a warm start: the entry is refused and the graph compiled with the pin."""
+    from enn_backend.guard.kernel_state import forget_loaded_states, state_for
+    from enn_backend.options import Options
+
+    cache, *_ = cold
+    options = {**OPTIONS, "persist": True, "cache_dir": str(tmp_path / "enn")}
+    sidecar = next(json.load(open(p)) for p in glob.glob(os.path.join(cache, "enn", "aot", "*.json"))
+                   if json.load(open(p))["phase"] == "forward")
+    key = next(k for k in sidecar["node_keys"] if k.startswith("aten.addmm|"))
+    state_for(Options.from_sources(options, None)).record(key, "pinned", reason="recorded by an earlier run")
+    forget_loaded_states()
+    _, (*_, loss, _) = _warm(cache, tmp_path, options)
+    rep = enn_backend.report().to_dict()
+    assert rep["counters"].get("aot_cache.refused") == 1 and not rep["counters"].get("aot_cache.hits")
+    assert not any(g["from_cache"] for g in rep["graphs"])
+    assert [f["kind"] for f in rep["fallbacks"]] == ["pinned_from_state"]
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("content", ["{\"format\": \"enn-aot-graph\", \"vers", "garbage\x00",
+                                     "{\"format\": \"enn-aot-graph\", \"version\": 1, \"key\": \"x\"}"],
+                         ids=["truncated", "garbage", "foreign-key"])
+def test_corrupt_sidecar_means_a_compile_with_a_warning(cold, tmp_path, caplog, content):
+    cache, rep_cold, loss_cold, _ = cold
+    cache = str(tmp_path / "inductor")
+    shutil.copytree(cold[0], cache)
+    for path in glob.glob(os.path.join(cache, "enn", "aot", "*.json")):
+        with open(path, "w") as f:
+            f.write(content)
+    with caplog.at_level(logging.WARNING, logger="enn_backend"):
+        *_, loss, _ = _compile_and_step(cache)
+    assert "ignoring" in caplog.text and "compiled instead of loaded" in caplog.text
+    rep = enn_backend.report().to_dict()
+    assert not rep["counters"].get("aot_cache.hits") and not any(g["from_cache"] for g in rep["graphs"])
+    assert rep["fusions"] == rep_cold["fusions"]
+    assert torch.equal(loss, loss_cold)
+
+
+def test_injected_faults_never_reach_the_cache(cold, tmp_path):
+    """A compile with planted faults is not offered to AOT Autograd's cache, and a warm start
+    with fault injection on does not take clean entries (faults are planted at compile time)."""
+    options = {**OPTIONS, "fault_inject": "aten.addmm:raise:compile"}
+    fresh = str(tmp_path / "fresh")
+    _compile_and_step(fresh, options)
+    assert [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]] == ["compile_error"]
+    assert not glob.glob(os.path.join(fresh, "enn", "aot", "*.json"))
+    _, (*_, loss, _) = _warm(cold[0], tmp_path, options)
+    rep = enn_backend.report().to_dict()
+    assert not rep["counters"].get("aot_cache.hits")  # (fault_inject is in enn's cache key, too)
+    assert [f["kind"] for f in rep["fallbacks"]] == ["compile_error"] and torch.isfinite(loss)
