@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import Any, Callable, Iterator
@@ -262,6 +263,28 @@ class WarmStart:
         return compiler
 
     def _trace(self) -> dict[str, Any]:
+        """Trace in a thread of its own: the guard runs deep inside AOT Autograd's runtime
+        wrappers and autograd, whose thread-local dispatch state (functionalization and
+        autograd keys switched off, grad mode, autocast) a trace must not inherit."""
+        done: dict[str, Any] = {}
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+        def work() -> None:
+            try:
+                if device is not None:
+                    torch.cuda.set_device(device)
+                done["traced"] = self._trace_here()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+                done["error"] = exc
+
+        thread = threading.Thread(target=work, name=f"enn-trace-{self.unit}")
+        thread.start()
+        thread.join()
+        if "error" in done:
+            raise done["error"]
+        return done["traced"]
+
+    def _trace_here(self) -> dict[str, Any]:
         from .graph_compiler import GraphCompiler
         from .passes import module_state
 

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         ok = False
         print(f"options: ERROR {exc}")
     print(f"inductor cache dir: {compat.inductor_cache_dir()}")
+    print("warm starts from AOTAutograd's cache: "
+          + ("yes (graphs loaded from it are guarded and reported)" if compat.aot_cache_usable()
+             else "no (the cache is off, bundled, or this torch lacks the hook): warm starts trace again"))
     eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
     ep = next((e for e in eps if e.name == "enn"), None)
     print(f"entry point torch_dynamo_backends:enn -> {ep.value if ep else 'MISSING (is enn installed with pip?)'}")

@@ -200,3 +200,22 @@ def test_injected_faults_never_reach_the_cache(cold, tmp_path):
     rep = enn_backend.report().to_dict()
     assert not rep["counters"].get("aot_cache.hits")  # (fault_inject is in enn's cache key, too)
     assert [f["kind"] for f in rep["fallbacks"]] == ["compile_error"] and torch.isfinite(loss)
+
+
+def test_inference_graph_from_cache_is_traced_again_outside_the_runtime_wrappers(tmp_path):
+    """An inference graph runs inside AOT Autograd's runtime wrappers with autograd and
+    functionalization switched off; tracing it again from there must not inherit that."""
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    cache = str(tmp_path / "inductor")
+    for warm in (False, True):
+        torch.compiler.reset()
+        enn_backend.reset()
+        with torch.no_grad(), runner.cache_dir(cache):
+            got = torch.compile(lambda t: torch.log(lin(t)) * 2.0, backend="enn", options={"persist": False})(x)
+        rep = enn_backend.report().to_dict()
+        assert [g["from_cache"] for g in rep["graphs"]] == [warm]
+        want = torch.log(lin(x)) * 2.0
+        assert torch.isnan(want).any() and torch.equal(torch.isnan(got), torch.isnan(want))
+        torch.testing.assert_close(got, want.detach(), equal_nan=True)
+        assert [f["kind"] for f in rep["fallbacks"]] == ["model_nonfinite"]

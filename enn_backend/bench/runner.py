@@ -538,6 +538,7 @@ def device_info(device: str) -> dict[str, Any]:
     info: dict[str, Any] = {
         "device": device, "torch": torch.__version__, "triton": compat.triton_version(), "python": platform.python_version(),
         "cpu_count": os.cpu_count(), "machine": platform.machine(), "enn": enn_backend.__version__,
+        "enn_aot_cache_hits": compat.aot_cache_usable(),
     }
     if torch.device(device).type == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
