@@ -28,6 +28,7 @@ foreign sidecar included -- refuses the hit, and AOT Autograd compiles as on a m
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -197,24 +198,39 @@ class WarmStart:
         self._traced: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ the hit
-    def on_load(self, entry: Any, load: Callable[[], tuple]) -> tuple:
+    def on_load(self, entry: Any, load: Callable[[], Any]) -> Any:
         fw_key, bw_key = compat.aot_entry_graph_keys(entry)
         metas = [self._accept(fw_key)] + ([self._accept(bw_key)] if entry.compiled_bw is not None else [])
+        records: list[GraphRecord] = []
+
+        def wrapper(meta: dict[str, Any]) -> Callable[[Any], Any]:
+            return lambda compiled: self._wrap(compiled, meta, records)
+
         t0 = time.perf_counter()
-        fw, bw, needs_autograd = load()
-        load_s = time.perf_counter() - t0
+        try:
+            fn = compat.aot_entry_load(entry, load, wrapper(metas[0]), wrapper(metas[-1]))
+        except BaseException:
+            for rec in records:  # AOT Autograd compiles instead: the graphs are reported then
+                report().drop(rec)
+            raise
+        records[0].compile_time_s = time.perf_counter() - t0
         self.hit = True
         unit = metas[0]["unit"]
         self.assumed = {int(i): d for i, d in unit["assumed"].items()}
         for f in unit["fallbacks"]:
-            report().add_fallback(FallbackKind(f["kind"]), node=f["node"], phase=f["phase"], graph=self.unit,
-                                  reason=f["reason"], action=f["action"])
+            self._replay(f, self.unit)
+        for rec, meta in zip(records, metas):
+            for f in meta["fallbacks"]:
+                self._replay(f, rec)
+            log_compiled_graph(rec)
         report().count("aot_cache.hits")
-        fw = self._wrap(fw, metas[0], load_s)
-        if bw is not None:
-            bw = self._wrap(bw, metas[1], 0.0)
-        log.debug("enn: %s loaded from AOTAutograd's cache in %.2fs", self.unit, load_s)
-        return fw, bw, needs_autograd
+        log.debug("enn: %s loaded from AOTAutograd's cache in %.2fs", self.unit, records[0].compile_time_s)
+        return fn
+
+    @staticmethod
+    def _replay(f: dict[str, str], graph: GraphRecord | str) -> None:
+        report().add_fallback(FallbackKind(f["kind"]), node=f["node"], phase=f["phase"], graph=graph,
+                              reason=f["reason"], action=f["action"])
 
     def _accept(self, fx_key: str | None) -> dict[str, Any]:
         meta = read_sidecar(fx_key) if fx_key else None
@@ -234,17 +250,14 @@ class WarmStart:
             raise compat.FXGraphCacheMiss(f"enn: {why}")
         return meta
 
-    def _wrap(self, compiled: Any, meta: dict[str, Any], load_s: float) -> Any:
+    def _wrap(self, compiled: Any, meta: dict[str, Any], records: list[GraphRecord]) -> Any:
         from .guard.runtime import GuardedGraph
 
         rec = report().new_graph(self.unit, meta["phase"])
+        records.append(rec)
         for f in _RECORD_FIELDS:
-            setattr(rec, f, meta["record"][f])
-        rec.compile_time_s, rec.from_cache = load_s, True
-        for f in meta["fallbacks"]:
-            report().add_fallback(FallbackKind(f["kind"]), node=f["node"], phase=f["phase"], graph=rec,
-                                  reason=f["reason"], action=f["action"])
-        log_compiled_graph(rec)
+            setattr(rec, f, copy.deepcopy(meta["record"][f]))
+        rec.from_cache = True
         if self.opts.guard == "off":
             return compiled
         return GuardedGraph(CachedGraph(self, meta, rec), compiled, rec)

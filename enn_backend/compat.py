@@ -81,19 +81,20 @@ def no_aot_autograd_cache() -> Iterator[None]:
 
 
 # --- AOTAutograd cache hits (enn_backend/aot_cache.py) ------------------------------------
-# A hit skips ``inner_compile``, where enn wraps each graph in its guard; enn takes the
-# loaded forward/backward artifacts at the one place a hit builds them,
-# ``GenericAOTAutogradResult._load_and_post_compile`` (torch 2.10-2.13), for the length
-# of one enn compile. Where that method is missing, or entries are bundled (they carry no
-# FX graph keys), enn compiles without the AOTAutograd cache, as before 2.10.
+# A hit skips ``inner_compile``, where enn wraps each graph in its guard. Every hit goes
+# through ``GenericAOTAutogradResult.wrap_post_compile`` (torch 2.7-2.13), which loads the
+# forward and backward artifacts and passes each through its part's ``post_compile``: for
+# the length of one enn compile, enn sees the entry there and wraps what each part's
+# ``post_compile`` returns. Where that method is missing, or entries are bundled (they carry
+# no FX graph keys), enn compiles without the AOTAutograd cache, as it did before.
 try:
     from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult as _AOTResult  # noqa: E402
     from torch._functorch._aot_autograd.autograd_cache import FXGraphCacheMiss  # noqa: E402
     from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache  # noqa: E402
 
-    _AOT_LOAD = _AOTResult.__dict__.get("_load_and_post_compile")
-except ImportError:  # pragma: no cover - torch < 2.10
-    _AOTResult, _AOT_LOAD = None, None
+    _AOT_WRAP = _AOTResult.__dict__.get("wrap_post_compile")
+except ImportError:  # pragma: no cover - torch < 2.7
+    _AOTResult, _AOT_WRAP = None, None
 
     class FXGraphCacheMiss(Exception):  # type: ignore[no-redef]
         pass
@@ -106,38 +107,55 @@ _AOT_HANDLERS: list[Callable[..., Any]] = []
 
 def aot_cache_usable() -> bool:
     """Can enn take AOTAutograd cache hits here (and is the cache switched on)?"""
-    return (_AOT_LOAD is not None and bool(functorch_config.enable_autograd_cache)
+    return (_AOT_WRAP is not None and bool(functorch_config.enable_autograd_cache)
             and not should_bundle_autograd_cache())
 
 
-def _load_and_post_compile(entry: Any, args: Any, fx_config: Any) -> Any:
+def _wrap_post_compile(entry: Any, *args: Any, **kwargs: Any) -> Any:
     if not _AOT_HANDLERS:
-        return _AOT_LOAD(entry, args, fx_config)
-    return _AOT_HANDLERS[-1](entry, lambda: _AOT_LOAD(entry, args, fx_config))
+        return _AOT_WRAP(entry, *args, **kwargs)
+    return _AOT_HANDLERS[-1](entry, lambda: _AOT_WRAP(entry, *args, **kwargs))
 
 
 @contextlib.contextmanager
-def aot_cache_hits(handler: Callable[[Any, Callable[[], tuple]], tuple]) -> Iterator[None]:
+def aot_cache_hits(handler: Callable[[Any, Callable[[], Any]], Any]) -> Iterator[None]:
     """Within this context an AOTAutograd cache hit goes through ``handler(entry, load)``.
 
-    ``load()`` returns AOT Autograd's ``(forward, backward or None, needs_autograd)``;
-    the handler returns the same triple (its own wrappers around them), or raises
-    :class:`FXGraphCacheMiss` to refuse the entry (AOT Autograd then compiles as on a miss).
+    ``load()`` builds the compiled function from the entry (see :func:`aot_entry_load` to
+    wrap its graphs); the handler returns that function, or raises :class:`FXGraphCacheMiss`
+    to refuse the entry (AOT Autograd then compiles as on a miss).
     """
     if not aot_cache_usable():
         with no_aot_autograd_cache():
             yield
         return
     _AOT_HANDLERS.append(handler)
-    patched = _AOTResult.__dict__.get("_load_and_post_compile") is _load_and_post_compile
+    patched = _AOTResult.__dict__.get("wrap_post_compile") is _wrap_post_compile
     if not patched:
-        _AOTResult._load_and_post_compile = _load_and_post_compile
+        _AOTResult.wrap_post_compile = _wrap_post_compile
     try:
         yield
     finally:
         _AOT_HANDLERS.pop()
         if not patched:
-            _AOTResult._load_and_post_compile = _AOT_LOAD
+            _AOTResult.wrap_post_compile = _AOT_WRAP
+
+
+def aot_entry_load(entry: Any, load: Callable[[], Any], wrap_forward: Callable[[Any], Any],
+                   wrap_backward: Callable[[Any], Any]) -> Any:
+    """``load()``, with the entry's loaded forward (or inference) and backward graphs passed
+    through ``wrap_forward`` / ``wrap_backward`` before AOT Autograd builds on them."""
+    parts = [(entry.compiled_fw, wrap_forward)]
+    if entry.compiled_bw is not None:
+        parts.append((entry.compiled_bw, wrap_backward))
+    for part, wrap in parts:
+        post_compile = part.post_compile
+        part.post_compile = lambda result, fx_config, _p=post_compile, _w=wrap: _w(_p(result, fx_config))
+    try:
+        return load()
+    finally:
+        for part, _ in parts:
+            part.__dict__.pop("post_compile", None)
 
 
 def aot_entry_graph_keys(entry: Any) -> tuple[str | None, str | None]:

@@ -105,6 +105,11 @@ class Report:
             self.graphs.append(rec)
             return rec
 
+    def drop(self, rec: GraphRecord) -> None:
+        """Forget a record made for a graph that was not built after all."""
+        with self._lock:
+            self.graphs = [g for g in self.graphs if g is not rec]
+
     def adopt(self, rec: GraphRecord) -> None:
         """List a graph compiled before the last reset() again, once it does something new."""
         with self._lock:
