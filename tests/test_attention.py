@@ -439,7 +439,12 @@ def test_policy_choices():
     assert choose(problem(window=64)).backend == "flex"
     assert choose(problem(alibi=True, static_shapes=False)).backend == "inductor"  # flex needs fixed lengths
     assert choose(problem(), order="flash,cudnn").backend == "flash"
-    assert choose(problem(device="cpu", capability=(0, 0))).backend == "inductor"  # measured faster (bench --quick)
+    cpu = dict(device="cpu", capability=(0, 0))
+    assert choose(problem(**cpu)).backend == "inductor"  # training: Inductor measured faster
+    assert choose(problem(**cpu, training=False)).backend == "cpu_flash"  # causal inference: flash faster
+    assert choose(problem(**cpu, training=False, causal=False)).backend == "cpu_flash"
+    for masked in (dict(has_mask=True), dict(has_bias=True), dict(alibi=True), dict(window=16)):
+        assert choose(problem(**cpu, training=False, **masked)).backend == "inductor", masked
     assert choose(problem(device="cpu", capability=(0, 0)), order="flash").backend == "cpu_flash"
     assert choose(problem(device="cpu", capability=(0, 0), tq=8, tk=8)).backend == "inductor"
     assert choose(problem(device="cpu", capability=(0, 0), bias_grad=True, has_bias=True)).backend == "explicit"
