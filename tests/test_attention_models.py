@@ -3,8 +3,8 @@
 autocast training. Each attention must be fused, run as the ATen kernel itself where no row can
 be fully masked, and give eager's loss and gradients.
 
-CPU runs ATen's CPU flash kernel (forced: the CPU policy leaves attention to Inductor by
-default); the GPU test runs the default CUDA policy (cuDNN / flash / memory-efficient).
+CPU runs ATen's CPU flash kernel (forced: the CPU policy leaves training attention to
+Inductor); the GPU test runs the default CUDA policy (cuDNN / flash / memory-efficient).
 """
 
 from __future__ import annotations
