@@ -82,7 +82,7 @@ def no_aot_autograd_cache() -> Iterator[None]:
 
 # --- AOTAutograd cache hits (enn_backend/aot_cache.py) ------------------------------------
 # A hit skips ``inner_compile``, where enn wraps each graph in its guard. Every hit goes
-# through ``GenericAOTAutogradResult.wrap_post_compile`` (torch 2.7-2.13), which loads the
+# through ``GenericAOTAutogradResult.wrap_post_compile`` (checked on 2.11 and 2.13), which loads the
 # forward and backward artifacts and passes each through its part's ``post_compile``: for
 # the length of one enn compile, enn sees the entry there and wraps what each part's
 # ``post_compile`` returns. Where that method is missing, or entries are bundled (they carry
@@ -93,7 +93,7 @@ try:
     from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache  # noqa: E402
 
     _AOT_WRAP = _AOTResult.__dict__.get("wrap_post_compile")
-except ImportError:  # pragma: no cover - torch < 2.7
+except ImportError:  # pragma: no cover - a torch without it (older, or moved)
     _AOTResult, _AOT_WRAP = None, None
 
     class FXGraphCacheMiss(Exception):  # type: ignore[no-redef]

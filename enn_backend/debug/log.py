@@ -38,7 +38,7 @@ def graph_line(rec: Any) -> str:
     pinned = ",".join(rec.pinned) or "none"
     promos = len(rec.promotions)
     return (
-        f"enn graph {rec.id}: path={rec.path} nodes={rec.compute_nodes} compiled={rec.compiled_nodes} "
+        f"enn graph {rec.id}: path={rec.path}{' (from AOTAutograd cache)' if rec.from_cache else ''} nodes={rec.compute_nodes} compiled={rec.compiled_nodes} "
         f"fusions={fus} kernels={kernels} fp32={promos} fallbacks={fallbacks} pinned={pinned} "
         f"compile={rec.compile_time_s:.2f}s"
     )
