@@ -122,7 +122,9 @@ class Report:
 
     def add_unit_kernel_choice(self, unit: str, choice: dict[str, Any]) -> None:
         with self._lock:
-            self._pending_unit_choices.setdefault(unit, []).append(choice)
+            pending = self._pending_unit_choices.setdefault(unit, [])
+            if choice not in pending:  # a site left unfused is met again by a later pass stage
+                pending.append(choice)
 
     def add_unit_promotion(self, unit: str, promotion: dict[str, Any]) -> None:
         with self._lock:

@@ -655,3 +655,16 @@ def test_report_says_when_a_mask_is_floored(fill):
     reason = choices()[0]["reason"]
     assert "emitted as the ATen kernel itself" in reason, reason
     assert ("-2**100" in reason) == (fill < -1e30), reason
+
+
+def test_a_site_left_to_inductor_is_reported_once(monkeypatch):
+    """The pass runs before and after Inductor's joint passes; a site it leaves to Inductor (and
+    that Inductor does not rewrite in between) is met twice, and reported once."""
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")  # the default policy: tiny CPU attention stays with Inductor
+    def attend(q, k, v, bias):  # T5's form (no scale): Inductor's own fuse_attention leaves it alone
+        return (q @ k.transpose(-1, -2) + bias).softmax(-1) @ v
+
+    bias = torch.randn(B, 1, T, T)
+    with torch.no_grad():
+        torch.compile(attend, backend="enn")(*qkv(), bias)
+    assert [c["choice"] for c in choices()] == ["inductor"], choices()
