@@ -30,6 +30,7 @@ class FallbackKind(str, enum.Enum):
 
     EXCEPTION = "exception"  # a compiled kernel raised at run time
     NONFINITE = "nonfinite"  # compiled output had NaN/Inf, eager did not
+    NONFINITE_LATE = "nonfinite_late"  # a GPU steady-state screen found NaN/Inf after the call returned
     PRECISION = "precision"  # eager (low precision) non-finite too, fp32 retry finite
     MODEL_NONFINITE = "model_nonfinite"  # the model's own NaN/Inf: eager gives it in fp32 too
     COMPILE_ERROR = "compile_error"  # a pass, lowering or Inductor raised while compiling

@@ -264,3 +264,35 @@ def test_exception_on_unchecked_call_is_recorded_and_reraised():
     (fb,) = rep["fallbacks"]
     assert fb["kind"] == "exception" and "did not check" in fb["reason"], fb
     assert rep["graphs"][0]["counters"]["checks"] == checks + 1  # checking again from the next call
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_steady_state_screen_on_gpu_is_read_late_then_every_call_is_checked():
+    """Past the warm-up, a sampled call of a GPU graph is screened on the device and read back
+    without a sync. A NaN found there is reported after its call returned; the warm-up restarts,
+    and the next call meets the fault on the synchronous path, which fixes and localizes it."""
+    import gc
+
+    from enn_backend.guard.runtime import GuardedGraph
+
+    model, x = make("mlp")
+    model, x = model.cuda(), x.cuda()
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard_warmup": 2, "guard_every": 4})
+    with torch.no_grad():
+        want = model(x)
+        for _ in range(3):  # calls 1-2 checked synchronously, 3 not checked
+            compiled(x)
+        (record,) = enn_backend.report().graphs
+        guard = next(o for o in gc.get_objects() if type(o) is GuardedGraph and o.record is record)
+        assert guard.screen_later
+        kernels = guard.compiled
+        guard.compiled = lambda args: [torch.full_like(t, float("nan")) for t in kernels(args)]  # a kernel gone bad
+        late = compiled(x)  # call 4: sampled, screened on the device, returned as computed
+        torch.cuda.synchronize()
+        assert torch.isnan(late).all() and [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]] == []
+        fixed = compiled(x)  # call 5: reads the screen, checks synchronously, re-runs eagerly
+    torch.testing.assert_close(fixed, want)
+    kinds = [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]]
+    assert kinds == ["nonfinite_late", "nonfinite"], kinds
+    assert "call 4" in enn_backend.report().to_dict()["fallbacks"][0]["reason"]

@@ -37,6 +37,30 @@ def _flat_tensors(outs: Any) -> list[torch.Tensor]:
     return []
 
 
+def _screened(flat: list, allowed: dict[int, str]) -> tuple[list[int], list[int]]:
+    """(outputs to screen for NaN/Inf, outputs where only a NaN counts)."""
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
+           and i not in allowed]
+    nan_only = [i for i, a in allowed.items() if a == "inf" and i < len(flat) and isinstance(flat[i], torch.Tensor)]
+    return idx, nan_only
+
+
+def _totals(flat: list, idx: list[int]) -> list[torch.Tensor]:
+    """One fp32 L1 norm per output, summed per device and dtype (NaN + x = NaN, Inf - Inf = NaN):
+    a finite total means every output is finite. On CUDA one _foreach_norm launches a few
+    kernels for all outputs of a dtype instead of one kernel per output."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for i in idx:
+        groups.setdefault((flat[i].device, flat[i].dtype), []).append(flat[i])
+    totals = []
+    for (device, _), ts in groups.items():
+        if device.type == "cuda":
+            totals.append(torch.stack(torch._foreach_norm(ts, 1, dtype=torch.float32)).sum())
+        else:
+            totals.append(torch.stack([t.sum(dtype=torch.float32) for t in ts]).sum())
+    return totals
+
+
 def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[int]:
     """Indices (in the flat output list) of floating outputs holding NaN/Inf.
 
@@ -48,28 +72,44 @@ def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[
     only when the screen trips (a NaN/Inf, or a sum overflowing) is each output checked exactly.
     """
     flat = outs if isinstance(outs, (list, tuple)) else [outs]
-    allowed = allowed or {}
-    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
-           and i not in allowed]
-    nan_only = [i for i, a in allowed.items() if a == "inf" and i < len(flat) and isinstance(flat[i], torch.Tensor)]
+    idx, nan_only = _screened(flat, allowed or {})
     bad_nan = [i for i in nan_only if bool(torch.isnan(flat[i]).any())]
-    if not idx:
-        return bad_nan
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for i in idx:
-        groups.setdefault((flat[i].device, flat[i].dtype), []).append(flat[i])
-    # One fp32 L1 norm per output (NaN + x = NaN, Inf - Inf = NaN): a finite total means every
-    # output is finite. On CUDA one _foreach_norm launches a few kernels for all outputs of a
-    # dtype instead of one kernel per output.
-    totals = []
-    for (device, _), ts in groups.items():
-        if device.type == "cuda":
-            totals.append(torch.stack(torch._foreach_norm(ts, 1, dtype=torch.float32)).sum())
-        else:
-            totals.append(torch.stack([t.sum(dtype=torch.float32) for t in ts]).sum())
-    if all(math.isfinite(t.item()) for t in totals):
+    if not idx or all(math.isfinite(t.item()) for t in _totals(flat, idx)):
         return bad_nan
     return sorted(bad_nan + [i for i in idx if not bool(torch.isfinite(flat[i]).all())])
+
+
+def single_cuda_device(outs: Any) -> bool:
+    """Are all floating outputs on one CUDA device (so they can be screened without a sync)?"""
+    flat = outs if isinstance(outs, (list, tuple)) else [outs]
+    devices = {t.device for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+
+class _LateScreen:
+    """The NaN/Inf screen of one call's outputs, computed on the GPU and copied to pinned host
+    memory behind an event: read back once the event has passed, with no device sync."""
+
+    def __init__(self, outs: Any, allowed: dict[int, str], host: torch.Tensor, call: int) -> None:
+        flat = outs if isinstance(outs, (list, tuple)) else [outs]
+        idx, nan_only = _screened(flat, allowed)
+        flags = [~torch.isfinite(torch.stack(_totals(flat, idx)).sum())] if idx else []
+        flags += [torch.isnan(flat[i]).any() for i in nan_only]
+        self.call, self.host, self.event = call, host, None
+        if flags:
+            host.copy_(torch.stack(flags).any(), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self, wait: bool = False) -> bool | None:
+        """True: NaN/Inf found; False: clean; None: not known yet (``wait`` blocks instead)."""
+        if self.event is None:
+            return False
+        if not self.event.query():
+            if not wait:
+                return None
+            self.event.synchronize()
+        return bool(self.host)
 
 
 def _same_nonfinite_pattern(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -145,6 +185,11 @@ class GuardedGraph:
         self.random = compiler.random
         self.model_nonfinite_seen = False
         self.allowed: dict[int, str] = {}  # outputs whose non-finite values eager makes too
+        # steady-state samples of a graph whose outputs live on one GPU are screened there and
+        # read back later (a host sync would stall the launch queue: +3-7% on a short step)
+        self.screen_later = False  # set by the first synchronously checked call
+        self._late: _LateScreen | None = None
+        self._late_host: torch.Tensor | None = None
         self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
 
     # --------------------------------------------------------------- fast path
@@ -155,10 +200,14 @@ class GuardedGraph:
         self.calls += 1
         self.since_build += 1
         self.counters["calls"] = self.calls
+        if self._late is not None:
+            self._read_late()
         # every call while the artifact is new (first calls are where kernel faults show),
         # then every `guard_every`-th call
-        check = self.checks_outputs and (self.since_build <= self.warmup or self.calls % self.every == 0)
-        if not (check or self.keep_inputs):
+        warm = self.since_build <= self.warmup
+        check = self.checks_outputs and (warm or self.calls % self.every == 0)
+        later = check and not warm and self.screen_later and not _distributed()
+        if later or not (check or self.keep_inputs):
             # An unchecked call holds no reference to the inputs: the compiled code's
             # `args.clear()` frees each one when it is dead (holding them kept a backward
             # graph's saved activations alive to its end).
@@ -170,6 +219,8 @@ class GuardedGraph:
             except Exception as e:  # noqa: BLE001 - any kernel failure enters the ladder
                 exc = e
             if exc is None and not _distributed():
+                if later:
+                    self._screen_later(out)
                 return out
             return self._after(out, exc, None, None, None, False)
         if check:
@@ -195,6 +246,8 @@ class GuardedGraph:
                rng: _RngSnapshot | None, check: bool) -> Any:
         """The rest of a call that raised, is checked, or runs under torch.distributed."""
         bad = nonfinite_outputs(out, self.allowed) if (exc is None and check) else []
+        if exc is None and check and not self.screen_later and compat.is_cuda_available():
+            self.screen_later = single_cuda_device(out)
         level = _EXCEPTION if exc is not None else (_NONFINITE if bad else _OK)
         if _distributed():
             agreed = _agree_level(level)
@@ -216,6 +269,31 @@ class GuardedGraph:
             raise exc if exc is not None else RuntimeError("enn: another rank's compiled graph failed on an unchecked call")
         kind = "exception" if level == _EXCEPTION else "nonfinite"
         return self._on_fault(kind, inputs, snapshot, rng, exc=exc, bad=bad, out=out)
+
+    def _screen_later(self, out: Any) -> None:
+        self.counters["checks"] = self.counters.get("checks", 0) + 1
+        if self._late is not None:  # (a screen still in flight, with guard_every=1: wait for it)
+            self._read_late(wait=True)
+        if self._late_host is None:
+            self._late_host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        self._late = _LateScreen(out, self.allowed, self._late_host, self.calls)
+
+    def _read_late(self, wait: bool = False) -> None:
+        found = self._late.result(wait)
+        if found is None:
+            return
+        call, self._late = self._late.call, None
+        if not found:
+            return
+        # That call's outputs are with the caller already: say so, and check every call again,
+        # so that the next call meets the fault (a kernel fault repeats) on the synchronous path
+        # with its inputs held: the ladder re-runs it eagerly and pins the culprit there.
+        self.since_build = 0
+        report().add_fallback(
+            FallbackKind.NONFINITE_LATE, node="<graph>", phase=self.record.phase, graph=self.record,
+            reason=f"NaN/Inf (or a sum beyond fp32's range) in the outputs of call {call}, found by the "
+                   "steady-state screen, which is read back without a device sync, after that call returned",
+            action="that call's outputs were returned as computed; every call is checked again (warm-up restarts)")
 
     # --------------------------------------------------------------- the ladder
     def _restore(self, inputs: list, snapshot: list | None, rng: _RngSnapshot | None) -> None:
