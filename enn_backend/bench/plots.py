@@ -373,8 +373,8 @@ def write_outputs(result: dict[str, Any], out_dir: str, stem: str | None = None)
     os.makedirs(out_dir, exist_ok=True)
     stem = stem or result.get("preset", "custom")
     files, note = write_plots(result, out_dir, stem)
+    result["plot_note"] = note or None  # replaced, not added to, when a saved result is re-rendered
     if note:
-        result.setdefault("notes", []).append(note)
         print(f"enn bench: {note}")
     json_path = os.path.join(out_dir, f"{stem}.json")
     with open(json_path, "w") as f:
@@ -382,8 +382,9 @@ def write_outputs(result: dict[str, Any], out_dir: str, stem: str | None = None)
     files = {"raw results (JSON)": json_path, **files}
     md_path = os.path.join(out_dir, f"{stem}.md")
     md = render_markdown(result, files)
-    if result.get("notes"):
-        md += "\nNotes: " + "; ".join(result["notes"]) + "\n"
+    notes = list(result.get("notes") or []) + ([result["plot_note"]] if result.get("plot_note") else [])
+    if notes:
+        md += "\nNotes: " + "; ".join(notes) + "\n"
     with open(md_path, "w") as f:
         f.write(md)
     return {"markdown": md_path, **files}
