@@ -29,12 +29,9 @@ class EnnGuardError(RuntimeError):
     """Raised in ``guard="strict"`` mode instead of falling back."""
 
 
-def _flat_tensors(outs: Any) -> list[torch.Tensor]:
-    if isinstance(outs, torch.Tensor):
-        return [outs]
-    if isinstance(outs, (list, tuple)):
-        return [t for o in outs for t in _flat_tensors(o)]
-    return []
+def _outputs(outs: Any) -> list:
+    """A graph's outputs as a list (a boxed graph returns a list or tuple, a bare one a tensor)."""
+    return outs if isinstance(outs, (list, tuple)) else [outs]
 
 
 def _screened(flat: list, allowed: dict[int, str]) -> tuple[list[int], list[int]]:
@@ -71,7 +68,7 @@ def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[
     One fp32 reduction per output screens them with one host sync per device and dtype;
     only when the screen trips (a NaN/Inf, or a sum overflowing) is each output checked exactly.
     """
-    flat = outs if isinstance(outs, (list, tuple)) else [outs]
+    flat = _outputs(outs)
     idx, nan_only = _screened(flat, allowed or {})
     bad_nan = [i for i in nan_only if bool(torch.isnan(flat[i]).any())]
     if not idx or all(math.isfinite(t.item()) for t in _totals(flat, idx)):
@@ -81,7 +78,7 @@ def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[
 
 def single_cuda_device(outs: Any) -> bool:
     """Are all floating outputs on one CUDA device (so they can be screened without a sync)?"""
-    flat = outs if isinstance(outs, (list, tuple)) else [outs]
+    flat = _outputs(outs)
     devices = {t.device for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()}
     return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
@@ -91,7 +88,7 @@ class _LateScreen:
     memory behind an event: read back once the event has passed, with no device sync."""
 
     def __init__(self, outs: Any, allowed: dict[int, str], host: torch.Tensor, call: int) -> None:
-        flat = outs if isinstance(outs, (list, tuple)) else [outs]
+        flat = _outputs(outs)
         idx, nan_only = _screened(flat, allowed)
         flags = [~torch.isfinite(torch.stack(_totals(flat, idx)).sum())] if idx else []
         flags += [torch.isnan(flat[i]).any() for i in nan_only]
