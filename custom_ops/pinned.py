@@ -92,6 +92,10 @@ def _fill(x: Any, tensors: list, ints: list) -> Any:
     return x
 
 
+# The FX meta key marking a node that an enn pass emitted (a fused kernel enn chose). The guard's
+# eager reference runs the safe path of these nodes only: an op the user wrote runs as ATen.
+EMITTED = "enn_emitted"
+
 # enn op name -> its safe path. An enn op's own eager kernel may be the fast kernel
 # that failed (e.g. a fused cuBLASLt GEMM), so pinning it runs this instead: the
 # plain-ATen / math implementation with the same signature and results.

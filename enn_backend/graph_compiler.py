@@ -79,14 +79,16 @@ class GraphCompiler:
         return self._fp32_gm
 
     def safe_gm(self) -> fx.GraphModule:
-        """The eager copy the guard re-runs: ATen ops as they are, and enn's own ops (fused
-        attention, GEMM epilogues) plus the attention kernels enn emits on their registered
-        safe path, so a kernel enn chose is never the reference it is judged against."""
+        """The eager copy the guard re-runs: the ATen graph as given, except the kernels enn
+        chose -- its own ops (fused attention, GEMM epilogues) and the ATen attention kernels
+        its passes emitted -- which run their registered safe path, so a kernel enn chose is
+        never the reference it is judged against. An op the user wrote (their own SDPA call)
+        runs as ATen runs it: the reference is what eager would compute."""
         if self._safe_gm is None:
-            from enn_backend.custom_ops.pinned import SAFE_PATHS, op_name
+            from enn_backend.custom_ops.pinned import EMITTED
 
             enn_nodes = [n.name for n in E.candidate_nodes(self.eager_gm)
-                         if n.target.namespace == "enn" or op_name(n.target) in SAFE_PATHS]
+                         if n.target.namespace == "enn" or n.meta.get(EMITTED)]
             self._safe_gm = E.pin_nodes(self.eager_gm, enn_nodes) if enn_nodes else self.eager_gm
         return self._safe_gm
 

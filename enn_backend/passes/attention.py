@@ -41,6 +41,7 @@ import torch.fx as fx
 from .. import compat
 from ..attention_policy import AttentionProblem, choose
 from ..custom_ops.attention import SATURATED, SATURATED_FLOOR, floors_saturated
+from ..custom_ops.pinned import EMITTED
 from ..report import FallbackKind, report
 from . import EnnPass, PassContext, current_module_state
 
@@ -535,6 +536,7 @@ class _Rewrite:
         vals = fx.map_arg((args, kwargs or {}), _val)
         with self.mode:
             n.meta["val"] = target(*vals[0], **vals[1])
+        n.meta[EMITTED] = True  # the guard's reference runs enn's safe path for these nodes only
         self.created.append(n)
         return n
 
