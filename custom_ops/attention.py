@@ -628,6 +628,7 @@ def _math_grads(g, q, k, v, attn_mask, is_causal, scale):
 def _cpu_flash_safe(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     bias, mask = _mask_args(attn_mask)
     out, lse = _explicit_fwd(q, k, v, bias, mask, None, _scale(q, scale), is_causal, 0)
+    lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # a row with every key masked: the kernel saves 0
     return _kernel_layout(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v, dropout_p, is_causal),
                           {"attn_mask": attn_mask, "scale": scale}, (out, lse))
 

@@ -336,6 +336,7 @@ class CachedGraph:
         self.phase = meta["phase"]
         self.graph_key = meta["graph_key"]
         self.mutated = list(meta["mutated"])
+        self.written = self.mutated  # a guarded compile donates no buffers (compat.saved_tensors_kept)
         self.random = meta["random"]
 
     def full(self) -> Any:

@@ -16,6 +16,7 @@ On a warm start AOT Autograd may load the compiled graphs from its cache instead
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -91,7 +92,9 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     decompositions = decomposition_table(opts.precision)
     # an AOTAutograd cache hit skips `inner`: WarmStart guards and reports the loaded graphs
     warm = WarmStart(pristine, example_inputs, opts, unit, patches, decompositions)
-    with compat.aot_cache_hits(warm.on_load), module_state(example_inputs) as state:
+    # the guard re-runs a faulty graph on its inputs: a guarded backward must not write into them
+    kept = compat.saved_tensors_kept() if opts.guard != "off" else contextlib.nullcontext()
+    with compat.aot_cache_hits(warm.on_load), module_state(example_inputs) as state, kept:
         compiled = compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
                                      decompositions=decompositions)
     assumed = warm.assumed if warm.hit else {i: content_digest(t) for i, t in state.assumed.items()}

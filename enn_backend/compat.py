@@ -80,6 +80,38 @@ def no_aot_autograd_cache() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def saved_tensors_kept() -> Iterator[None]:
+    """Compile so that a backward graph never writes into its inputs.
+
+    AOT Autograd *donates* the saved tensors of a backward graph (``donated_buffer``, on by
+    default since torch 2.6) and Inductor may then reuse their memory for the backward's own
+    buffers. The guard re-runs a faulty backward eagerly on the very inputs the compiled call
+    received, so under a guard they must still hold what they held. Without donation the
+    saved tensors are still freed as soon as they are dead (AOT clears the autograd context's
+    references before the call), so the cost is buffer reuse only, not a longer lifetime.
+    Covered by tests/test_guard.py::test_backward_rerun_reads_the_inputs_it_was_given.
+    """
+    with functorch_config.patch(donated_buffer=False):
+        yield
+
+
+def donated_inputs() -> list[int]:
+    """Indices of the backward graph's inputs that AOT Autograd donated to Inductor (asked
+    inside ``inner_compile`` of a backward graph; empty when nothing is donated)."""
+    from torch._inductor.utils import get_donated_idxs
+
+    return list(get_donated_idxs() or [])
+
+
+def compile_lock() -> Any:
+    """Dynamo's compile lock (an RLock): Inductor's compile is not thread-safe, and the guard
+    recompiles graphs at run time, possibly while another thread compiles a frame."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
+
+
 # --- AOTAutograd cache hits (enn_backend/aot_cache.py) ------------------------------------
 # A hit skips ``inner_compile``, where enn wraps each graph in its guard. Every hit goes
 # through ``GenericAOTAutogradResult.wrap_post_compile`` (checked on 2.11 and 2.13), which loads the

@@ -54,6 +54,11 @@ class GraphCompiler:
         self.record.compute_nodes = self.compute_nodes
         # what the guard's fast path needs: inputs the graph writes into, random draws
         self.mutated = E.mutated_input_indices(self.eager_gm)
+        # Inputs Inductor may reuse as scratch (a backward's donated saved tensors). enn compiles
+        # guarded graphs without donation (compat.saved_tensors_kept); any that are donated
+        # regardless are copied on checked calls like mutated inputs, so a re-run reads them intact.
+        donated = compat.donated_inputs() if self.phase == "backward" else []
+        self.written = sorted(set(self.mutated) | set(donated))
         self.random = E.has_random_ops(self.eager_gm)
         self.pinned_names: frozenset[str] = self._pins_from_state()
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
@@ -104,6 +109,12 @@ class GraphCompiler:
                 reason=f"kernel state in {self.state.path} records faults for these kernels",
                 action=f"compiled with {len(pins)} node(s) pinned to eager", level=logging.INFO)
         return frozenset(pins)
+
+    def recorded_pins(self) -> frozenset[str]:
+        """Nodes not pinned yet whose kernels kernel state now records as faulty (another
+        graph, thread or process localized them since this graph was compiled)."""
+        return frozenset(n.name for n in E.candidate_nodes(self.eager_gm) if n.name not in self.pinned_names
+                         and (e := self.state.lookup(node_key(n))) is not None and e.action == "pinned")
 
     def eager_callable(self) -> Callable[[list], Any]:
         gm = self.eager_gm
@@ -163,7 +174,9 @@ class GraphCompiler:
         if not enn:
             for key in ("post_grad_custom_post_pass", "post_grad_custom_pre_pass"):
                 patches.pop(key, None)
-        with compat.tracing_context(self.tracing_ctx), compat.inductor_config.patch(patches), enn_lowerings(enabled=enn):
+        # compile_lock: the guard recompiles at run time, possibly while another thread compiles
+        with compat.compile_lock(), compat.tracing_context(self.tracing_ctx), compat.inductor_config.patch(patches), \
+                enn_lowerings(enabled=enn):
             return compat.compile_fx_inner(gm, self.example_inputs, **self.kwargs)
 
     def adopt(self, compiled: Any, pins: frozenset[str] = frozenset(), fp32: bool = False) -> None:

@@ -32,7 +32,8 @@ class FallbackKind(str, enum.Enum):
     NONFINITE = "nonfinite"  # compiled output had NaN/Inf, eager did not
     NONFINITE_LATE = "nonfinite_late"  # a GPU steady-state screen found NaN/Inf after the call returned
     PRECISION = "precision"  # eager (low precision) non-finite too, fp32 retry finite
-    MODEL_NONFINITE = "model_nonfinite"  # the model's own NaN/Inf: eager gives it in fp32 too
+    MODEL_NONFINITE = "model_nonfinite"  # NaN/Inf where eager has them too, but other values differ: eager's result
+    NONFINITE_INPUTS = "nonfinite_inputs"  # a graph's inputs already held NaN/Inf (an earlier call made them)
     COMPILE_ERROR = "compile_error"  # a pass, lowering or Inductor raised while compiling
     PASS_SKIPPED = "pass_skipped"  # an enn rewrite declined a match (e.g. unsupported dtype)
     KERNEL_CHOICE = "kernel_choice"  # a requested kernel is impossible here; another was used

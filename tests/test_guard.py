@@ -61,7 +61,9 @@ def test_fault_matrix(kind, phase, model_kind, dtype):
     assert 0 < g["compiled_nodes"] == g["compute_nodes"] - len(g["pinned"])
 
 
-def test_models_own_nan_is_returned_unchanged_and_blames_nothing():
+def test_models_own_nan_keeps_the_compiled_result_and_blames_nothing():
+    """Eager makes the same NaN at the same places: nothing fell back, nothing is reported as a
+    fallback, the compiled outputs are returned (counted on the graph)."""
     class LogModel(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -79,8 +81,8 @@ def test_models_own_nan_is_returned_unchanged_and_blames_nothing():
     torch.testing.assert_close(got, ref, equal_nan=True)
     assert torch.equal(torch.isnan(got), torch.isnan(ref))
     rep = enn_backend.report().to_dict()
-    assert [f["kind"] for f in rep["fallbacks"]] == ["model_nonfinite"]
-    assert rep["graphs"][0]["pinned"] == []
+    assert rep["fallbacks"] == []
+    assert rep["graphs"][0]["counters"]["model_nonfinite"] == 1 and rep["graphs"][0]["pinned"] == []
 
 
 def test_precision_fault_retries_in_fp32():
@@ -221,7 +223,7 @@ def test_legit_inf_outputs_are_learned_once():
     rep = enn_backend.report().to_dict()
     g = rep["graphs"][0]
     assert g["counters"]["checks"] == 4 and g["counters"].get("eager_reruns", 0) == 1, g["counters"]
-    assert [f["kind"] for f in rep["fallbacks"]] == ["model_nonfinite"]
+    assert rep["fallbacks"] == []  # the -inf eager makes too is not a fallback
 
 
 _LATE_FAULT = {"on": False}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
+import threading
 import time
 from typing import Any, Callable
 
@@ -20,97 +20,15 @@ from .. import compat
 from ..report import FallbackKind, GraphRecord, report
 from . import graph_edit as E
 from .kernel_state import graph_key, node_key
-from .localize import localize, suspects_from_traceback
+from .localize import Localization, localize, suspects_from_traceback
+from .screen import (LateScreen, allowance, divergent, nonfinite_inputs, nonfinite_outputs, outputs,
+                     single_cuda_device)
 
 log = logging.getLogger(__name__)
 
 
 class EnnGuardError(RuntimeError):
     """Raised in ``guard="strict"`` mode instead of falling back."""
-
-
-def _outputs(outs: Any) -> list:
-    """A graph's outputs as a list (a boxed graph returns a list or tuple, a bare one a tensor)."""
-    return outs if isinstance(outs, (list, tuple)) else [outs]
-
-
-def _screened(flat: list, allowed: dict[int, str]) -> tuple[list[int], list[int]]:
-    """(outputs to screen for NaN/Inf, outputs where only a NaN counts)."""
-    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()
-           and i not in allowed]
-    nan_only = [i for i, a in allowed.items() if a == "inf" and i < len(flat) and isinstance(flat[i], torch.Tensor)]
-    return idx, nan_only
-
-
-def _totals(flat: list, idx: list[int]) -> list[torch.Tensor]:
-    """One fp32 L1 norm per output, summed per device and dtype (NaN + x = NaN, Inf - Inf = NaN):
-    a finite total means every output is finite. On CUDA one _foreach_norm launches a few
-    kernels for all outputs of a dtype instead of one kernel per output."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for i in idx:
-        groups.setdefault((flat[i].device, flat[i].dtype), []).append(flat[i])
-    totals = []
-    for (device, _), ts in groups.items():
-        if device.type == "cuda":
-            totals.append(torch.stack(torch._foreach_norm(ts, 1, dtype=torch.float32)).sum())
-        else:
-            totals.append(torch.stack([t.sum(dtype=torch.float32) for t in ts]).sum())
-    return totals
-
-
-def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[int]:
-    """Indices (in the flat output list) of floating outputs holding NaN/Inf.
-
-    ``allowed`` maps outputs known to hold non-finite values legitimately (eager makes the
-    same ones: an additive ``-inf`` mask saved for backward, the model's own NaN) to what is
-    allowed there: ``"inf"`` (only a NaN counts) or ``"any"`` (not checked).
-
-    One fp32 reduction per output screens them with one host sync per device and dtype;
-    only when the screen trips (a NaN/Inf, or a sum overflowing) is each output checked exactly.
-    """
-    flat = _outputs(outs)
-    idx, nan_only = _screened(flat, allowed or {})
-    bad_nan = [i for i in nan_only if bool(torch.isnan(flat[i]).any())]
-    if not idx or all(math.isfinite(t.item()) for t in _totals(flat, idx)):
-        return bad_nan
-    return sorted(bad_nan + [i for i in idx if not bool(torch.isfinite(flat[i]).all())])
-
-
-def single_cuda_device(outs: Any) -> bool:
-    """Are all floating outputs on one CUDA device (so they can be screened without a sync)?"""
-    flat = _outputs(outs)
-    devices = {t.device for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()}
-    return len(devices) == 1 and next(iter(devices)).type == "cuda"
-
-
-class _LateScreen:
-    """The NaN/Inf screen of one call's outputs, computed on the GPU and copied to pinned host
-    memory behind an event: read back once the event has passed, with no device sync."""
-
-    def __init__(self, outs: Any, allowed: dict[int, str], host: torch.Tensor, call: int) -> None:
-        flat = _outputs(outs)
-        idx, nan_only = _screened(flat, allowed)
-        flags = [~torch.isfinite(torch.stack(_totals(flat, idx)).sum())] if idx else []
-        flags += [torch.isnan(flat[i]).any() for i in nan_only]
-        self.call, self.host, self.event = call, host, None
-        if flags:
-            host.copy_(torch.stack(flags).any(), non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def result(self, wait: bool = False) -> bool | None:
-        """True: NaN/Inf found; False: clean; None: not known yet (``wait`` blocks instead)."""
-        if self.event is None:
-            return False
-        if not self.event.query():
-            if not wait:
-                return None
-            self.event.synchronize()
-        return bool(self.host)
-
-
-def _same_nonfinite_pattern(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.equal(torch.isnan(a), torch.isnan(b))
 
 
 _OK, _NONFINITE, _EXCEPTION = 0, 1, 2
@@ -162,6 +80,13 @@ class _RngSnapshot:
             torch.cuda.set_rng_state_all(self.cuda)
 
 
+# One ladder at a time in a process: a thread whose call faults while another thread's ladder
+# runs waits for it, then runs its call again on whatever fast path that ladder left (or, for
+# another graph with the same faulty kernel, finds the culprit in kernel state). Ladders are rare
+# and spend their time compiling, which Inductor does one graph at a time anyway.
+_LADDER = threading.RLock()
+
+
 class GuardedGraph:
     """Fast path + the fallback ladder for one compiled graph (see enn_backend.guard)."""
 
@@ -178,14 +103,16 @@ class GuardedGraph:
         self.counters = record.counters  # the report's counters for this graph, updated per call
         self.calls = 0
         self.since_build = 0  # calls since the current artifact was built
-        self.mutated = compiler.mutated
+        self.written = compiler.written  # inputs a compiled call may write into: copied on checked calls
         self.random = compiler.random
-        self.model_nonfinite_seen = False
-        self.allowed: dict[int, str] = {}  # outputs whose non-finite values eager makes too
+        self.inputs_are_primals = compiler.phase != "backward"  # parameters, buffers, user inputs
+        self.allowed: dict[int, str] = {}  # output -> the infinities the reference makes there too
+        self.reported: set[FallbackKind] = set()  # kinds reported once per graph, repeats counted
+        self.generation = 0  # bumped whenever the fast path changes (see _LADDER)
         # steady-state samples of a graph whose outputs live on one GPU are screened there and
         # read back later (a host sync would stall the launch queue: +3-7% on a short step)
         self.screen_later = False  # set by the first synchronously checked call
-        self._late: _LateScreen | None = None
+        self._late: LateScreen | None = None
         self._late_host: torch.Tensor | None = None
         self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
 
@@ -204,6 +131,7 @@ class GuardedGraph:
         warm = self.since_build <= self.warmup
         check = self.checks_outputs and (warm or self.calls % self.every == 0)
         later = check and not warm and self.screen_later and not _distributed()
+        generation = self.generation
         if later or not (check or self.keep_inputs):
             # An unchecked call holds no reference to the inputs: the compiled code's
             # `args.clear()` frees each one when it is dead (holding them kept a backward
@@ -219,14 +147,16 @@ class GuardedGraph:
                 if later:
                     self._screen_later(out)
                 return out
-            return self._after(out, exc, None, None, None, False)
+            return self._after(out, exc, _Call(None, None, None, generation), False)
         if check:
             self.counters["checks"] = self.counters.get("checks", 0) + 1
         # Keep our own references to the inputs on the calls the ladder may need them
-        # (checked calls; every call in "exceptions" mode, which schedules no checks).
-        inputs = list(args)  # the compiled code may clear `args` to free memory early
-        snapshot = [args[i].clone() for i in self.mutated] if self.mutated else None
-        rng = _RngSnapshot() if self.random else None
+        # (checked calls; every call in "exceptions" mode, which schedules no checks), and a
+        # copy of those the compiled code may write into, so a re-run starts from what this
+        # call was given.
+        call = _Call(list(args),  # the compiled code may clear `args` to free memory early
+                     [args[i].clone() for i in self.written] if self.written else None,
+                     _RngSnapshot() if self.random else None, generation)
         out, exc = None, None
         try:
             out = self.compiled(args)
@@ -237,10 +167,9 @@ class GuardedGraph:
         if exc is None and not check and not _distributed():
             return out
         # outside the `except`: an error the ladder raises is not chained to the kernel's
-        return self._after(out, exc, inputs, snapshot, rng, check)
+        return self._after(out, exc, call, check)
 
-    def _after(self, out: Any, exc: BaseException | None, inputs: list | None, snapshot: list | None,
-               rng: _RngSnapshot | None, check: bool) -> Any:
+    def _after(self, out: Any, exc: BaseException | None, call: "_Call", check: bool) -> Any:
         """The rest of a call that raised, is checked, or runs under torch.distributed."""
         bad = nonfinite_outputs(out, self.allowed) if (exc is None and check) else []
         if exc is None and check and not self.screen_later and compat.is_cuda_available():
@@ -253,7 +182,7 @@ class GuardedGraph:
             level = agreed
         if level == _OK:
             return out
-        if inputs is None:
+        if call.inputs is None:
             # An unchecked call raised. Its inputs are gone -- the compiled code frees each one
             # when it is dead, and holding them on every call would keep a backward graph's
             # saved activations alive to its end (measured: +60% peak on an MLP) -- so the
@@ -265,7 +194,24 @@ class GuardedGraph:
                                   action="raised to the caller; the following calls are checked (warm-up restarts)")
             raise exc if exc is not None else RuntimeError("enn: another rank's compiled graph failed on an unchecked call")
         kind = "exception" if level == _EXCEPTION else "nonfinite"
-        return self._on_fault(kind, inputs, snapshot, rng, exc=exc, bad=bad, out=out)
+        with _LADDER:
+            if call.generation != self.generation and not _distributed():
+                # another thread's ladder changed the fast path while this call ran on the old one
+                retried = self._retry(call, check)
+                if retried is not None:
+                    return retried
+            return self._on_fault(kind, call, exc=exc, bad=bad, out=out)
+
+    def _retry(self, call: "_Call", check: bool) -> Any:
+        """This call again on the current fast path; None if it faults there too."""
+        self._restore(call)
+        try:
+            out = self.compiled(list(call.inputs))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:  # noqa: BLE001
+            return None
+        return None if (check and nonfinite_outputs(out, self.allowed)) else out
 
     def _screen_later(self, out: Any) -> None:
         self.counters["checks"] = self.counters.get("checks", 0) + 1
@@ -273,13 +219,14 @@ class GuardedGraph:
             self._read_late(wait=True)
         if self._late_host is None:
             self._late_host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        self._late = _LateScreen(out, self.allowed, self._late_host, self.calls)
+        self._late = LateScreen(out, self.allowed, self._late_host, self.calls)
 
     def _read_late(self, wait: bool = False) -> None:
-        found = self._late.result(wait)
+        late = self._late
+        found = late.result(wait) if late is not None else None
         if found is None:
             return
-        call, self._late = self._late.call, None
+        self._late = None
         if not found:
             return
         # That call's outputs are with the caller already: say so, and check every call again,
@@ -288,17 +235,17 @@ class GuardedGraph:
         self.since_build = 0
         report().add_fallback(
             FallbackKind.NONFINITE_LATE, node="<graph>", phase=self.record.phase, graph=self.record,
-            reason=f"NaN/Inf (or a sum beyond fp32's range) in the outputs of call {call}, found by the "
+            reason=f"NaN/Inf (or a sum beyond fp32's range) in the outputs of call {late.call}, found by the "
                    "steady-state screen, which is read back without a device sync, after that call returned",
             action="that call's outputs were returned as computed; every call is checked again (warm-up restarts)")
 
     # --------------------------------------------------------------- the ladder
-    def _restore(self, inputs: list, snapshot: list | None, rng: _RngSnapshot | None) -> None:
-        if snapshot is not None:
-            for i, saved in zip(self.mutated, snapshot):
-                inputs[i].copy_(saved)
-        if rng is not None:
-            rng.restore()
+    def _restore(self, call: "_Call") -> None:
+        if call.snapshot is not None:
+            for i, saved in zip(self.written, call.snapshot):
+                call.inputs[i].copy_(saved)
+        if call.rng is not None:
+            call.rng.restore()
 
     def _run_eager(self, gm: torch.fx.GraphModule, inputs: list) -> tuple[Any, BaseException | None]:
         try:
@@ -308,11 +255,10 @@ class GuardedGraph:
         except Exception as exc:  # noqa: BLE001
             return None, exc
 
-    def _on_fault(self, kind: str, inputs: list, snapshot: list | None, rng: Any, exc: BaseException | None = None,
-                  bad: list | None = None, out: Any = None) -> Any:
+    def _on_fault(self, kind: str, call: "_Call", exc: BaseException | None = None, bad: list | None = None,
+                  out: Any = None) -> Any:
         rec, phase, R = self.record, self.record.phase, report()
-        rec.counters["faults"] = rec.counters.get("faults", 0) + 1
-        R.count("guard.faults")
+        bad = bad or []
         if exc is not None:
             what = f"{type(exc).__name__}: {exc}"
         elif bad == [-1]:
@@ -320,26 +266,29 @@ class GuardedGraph:
         else:
             what = "NaN/Inf in compiled output"
         self._full_compiler(what)
-        self._restore(inputs, snapshot, rng)
-        eager_out, eager_exc = self._run_eager(self.compiler.safe_gm(), inputs)
+        self._restore(call)
+        ref, ref_exc = self._run_eager(self.compiler.safe_gm(), call.inputs)
         rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
-        if eager_exc is not None:
+        if ref_exc is not None:
+            self._count_fault()
             R.add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=phase, graph=rec,
-                           reason=f"{what}; the eager graph raises too ({type(eager_exc).__name__}: {eager_exc})",
+                           reason=f"{what}; the eager graph raises too ({type(ref_exc).__name__}: {ref_exc})",
                            action="raised the model's own error")
-            raise eager_exc
-        # Outputs where eager is non-finite at exactly the same places are the model's own
-        # values; any other bad output is the compiled code's fault.
-        eager_bad = set(nonfinite_outputs(eager_out))
-        own = {i for i in (bad or []) if i >= 0 and i in eager_bad and _same_nonfinite_pattern(out[i], eager_out[i])}
-        kernel = kind == "exception" or bad == [-1] or any(i not in own for i in bad or [])
+            raise ref_exc
+        # Outputs whose NaN/Inf the reference makes at the same places, with the same finite
+        # values elsewhere, are the model's own values; any other is the compiled code's fault.
+        pattern, values = divergent(outputs(out), ref, [i for i in bad if i >= 0]) if exc is None else ([], [])
+        kernel = kind == "exception" or bad == [-1] or bool(pattern)
         if _distributed():
             kernel = _agree(kernel)
-        legit = {i: ("any" if bool(torch.isnan(eager_out[i]).any()) else "inf") for i in eager_bad}
         if kernel:
-            return self._kernel_fault(kind, what, inputs, snapshot, rng, exc, eager_out,
-                                      [i for i in (bad or []) if i not in own] or bad, {**self.allowed, **legit})
-        return self._eager_nonfinite(what, inputs, snapshot, rng, eager_out, legit, bad or [])
+            self._count_fault()
+            return self._kernel_fault(kind, what, call, exc, ref, pattern or bad)
+        return self._reference_nonfinite(what, call, out, ref, bad, values)
+
+    def _count_fault(self) -> None:
+        self.record.counters["faults"] = self.record.counters.get("faults", 0) + 1
+        report().count("guard.faults")
 
     def _full_compiler(self, what: str) -> None:
         """Make sure the ladder has the graph: a graph loaded from AOTAutograd's cache has a
@@ -358,22 +307,26 @@ class GuardedGraph:
         """Make ``new`` the fast path. The artifact first compiled is no longer the graph's: it
         must not reach AOTAutograd's cache (enn_backend.aot_cache) if that saves it later."""
         self.compiled, self.since_build = new, 0
+        self.generation += 1
         self.__dict__.pop("_fx_graph_cache_key", None)
 
-    def _kernel_fault(self, kind, what, inputs, snapshot, rng, exc, eager_out, bad, legit) -> Any:
+    def _kernel_fault(self, kind: str, what: str, call: "_Call", exc: BaseException | None, ref: list,
+                      bad: list) -> Any:
         rec, phase, R = self.record, self.record.phase, report()
         t0 = time.perf_counter()
 
         def still_faulty(pins: frozenset[str]) -> bool:
             compiled = self.compiler.build(extra_pins=pins, quiet=True)
-            self._restore(inputs, snapshot, rng)
+            self._restore(call)
             try:
-                out = compiled(list(inputs))
+                out = compiled(list(call.inputs))
             except torch.OutOfMemoryError:
                 raise
             except Exception:  # noqa: BLE001
                 return _agree(True)
-            faulty = kind == "nonfinite" and bool(nonfinite_outputs(out, legit))
+            # a trial is judged against the reference: NaN/Inf it makes where eager does not
+            flat = outputs(out)
+            faulty = kind == "nonfinite" and bool(divergent(flat, ref, nonfinite_outputs(flat))[0])
             if _distributed():
                 faulty = _agree(faulty)
             if not faulty:
@@ -381,25 +334,41 @@ class GuardedGraph:
             return faulty
 
         trial_cache: dict[frozenset[str], Any] = {}
-        groups, prime = self._suspects(kind, bad, exc)
-        loc = localize(groups, still_faulty, self.opts.localize_budget, prime)
-        elapsed = time.perf_counter() - t0
-        if loc is None:
-            nodes, action = "<graph>", "graph runs eagerly from now on (pinning every node did not remove the fault)"
-            new = self.compiler.eager_callable()
-            rec.path = "eager"
+        known = self.compiler.recorded_pins()
+        if known and not still_faulty(known):
+            # kernel state learned these kernels' fault since this graph was compiled
+            loc, nodes, new = Localization(pinned=sorted(known), trials=1), ",".join(sorted(known)), trial_cache[known]
+            action = (f"pinned {len(known)} node(s) whose kernels kernel state records as faulty, after 1 trial "
+                      f"recompile in {time.perf_counter() - t0:.1f}s")
+            localized = False  # the graph that localized them wrote the repro
+        elif not still_faulty(frozenset()):
+            # A fresh compile of the same graph, with the same pins, runs this call cleanly: the
+            # fault was in the artifact or transient, and no node can be blamed on this evidence.
+            loc, nodes, localized = None, "<graph>", False
+            new = trial_cache[frozenset()]
+            action = (f"recompiled the graph with no new pins in {time.perf_counter() - t0:.1f}s: the fault did not "
+                      "reproduce on a fresh compile of the same graph, so no node is blamed")
         else:
-            nodes = ",".join(loc.pinned)
-            pins = frozenset(loc.pinned)
-            new = trial_cache.get(pins) or self.compiler.build(extra_pins=pins)
-            action = (f"pinned {len(loc.pinned)} node(s) to eager after {loc.trials} trial recompile(s) "
-                      f"in {elapsed:.1f}s; {self.compiler.compute_nodes - len(self.compiler.pinned_now(pins))} nodes stay compiled")
-            if loc.notes:
-                action += "; " + "; ".join(loc.notes)
-            for name in loc.pinned:
-                key = node_key(self.compiler.node(name))
-                if key:
-                    self.compiler.state.record(key, "pinned", exc, reason=what)
+            groups, prime = self._suspects(kind, bad, exc)
+            loc, localized = localize(groups, still_faulty, self.opts.localize_budget, prime), True
+            elapsed = time.perf_counter() - t0
+            if loc is None:
+                nodes, action = "<graph>", "graph runs eagerly from now on (pinning every node did not remove the fault)"
+                new = self.compiler.eager_callable()
+                rec.path = "eager"
+            else:
+                nodes = ",".join(loc.pinned)
+                pins = frozenset(loc.pinned)
+                new = trial_cache.get(pins) or self.compiler.build(extra_pins=pins)
+                action = (f"pinned {len(loc.pinned)} node(s) to eager after {loc.trials + 1} trial recompile(s) "
+                          f"in {elapsed:.1f}s; {self.compiler.compute_nodes - len(self.compiler.pinned_now(pins))} "
+                          "nodes stay compiled")
+                if loc.notes:
+                    action += "; " + "; ".join(loc.notes)
+                for name in loc.pinned:
+                    key = node_key(self.compiler.node(name))
+                    if key:
+                        self.compiler.state.record(key, "pinned", exc, reason=what)
         if self.mode == "strict":
             raise EnnGuardError(
                 f"enn (guard=strict): {kind} in compiled graph {rec.id} (phase {phase}) at node(s) {nodes}: {what}. "
@@ -408,8 +377,10 @@ class GuardedGraph:
         R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action)
         self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
         self._adopt(new)
-        self.compiler.write_repro(kind=kind, what=what, inputs=inputs, snapshot=snapshot, nodes=nodes)
-        return eager_out
+        if localized:
+            mutated = None if call.snapshot is None else [call.snapshot[self.written.index(i)] for i in self.compiler.mutated]
+            self.compiler.write_repro(kind=kind, what=what, inputs=call.inputs, snapshot=mutated, nodes=nodes)
+        return ref
 
     def _suspects(self, kind: str, bad: list | None, exc: BaseException | None) -> tuple[list[list[str]], frozenset[str]]:
         """Suspects grouped by op (enn's own ops first) and the prime suspects.
@@ -434,43 +405,85 @@ class GuardedGraph:
         ordered = sorted(groups.items(), key=lambda kv: not kv[0].startswith("enn."))
         return [g for _, g in ordered], prime
 
-    def _eager_nonfinite(self, what, inputs, snapshot, rng, eager_out, legit, bad) -> Any:
+    def _reference_nonfinite(self, what: str, call: "_Call", out: Any, ref: list, bad: list,
+                             values: list[int]) -> Any:
+        """The reference makes the compiled call's NaN/Inf too, at the same places."""
         rec, phase, R = self.record, self.record.phase, report()
         if E.has_low_precision(self.compiler.eager_gm) and self.opts.precision:
-            fp32_gm = self.compiler.fp32_gm()
-            self._restore(inputs, snapshot, rng)
-            out32, exc32 = self._run_eager(fp32_gm, inputs)
-            ok = exc32 is None and not (set(nonfinite_outputs(out32)) & set(bad))
-            if _distributed():
-                ok = not _agree(not ok)
-            if ok:
-                if self.mode == "strict":
-                    raise EnnGuardError(
-                        f"enn (guard=strict): graph {rec.id} (phase {phase}) overflows in low precision ({what}); fp32 is finite."
-                    )
-                new = self.compiler.build(fp32=True)
-                self.compiler.adopt(new, fp32=True)
-                self._adopt(new)
-                self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)
-                R.add_fallback(FallbackKind.PRECISION, node="<graph>", phase=phase, graph=rec,
-                               reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
-                               action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run")
-                rec.promotions.append({"node": "<graph>", "reason": "master-dtype retry: low precision overflowed"})
-                return out32
-        # The model's own NaN/Inf: eager makes it too, at the same places. Return eager's
-        # result, blame nothing, and stop flagging those outputs (a -inf mask saved for the
-        # backward would otherwise send every call down this path).
-        self.allowed.update(legit)
-        rec.counters["model_nonfinite"] = rec.counters.get("model_nonfinite", 0) + 1
+            fp32 = self._fp32_retry(what, call, bad)
+            if fp32 is not None:
+                return fp32
         if self.mode == "strict":
             raise EnnGuardError(
                 f"enn (guard=strict): graph {rec.id} (phase {phase}) produces NaN/Inf in eager too: the model's own numerics, not a kernel fault."
             )
-        if not self.model_nonfinite_seen:
-            self.model_nonfinite_seen = True
-            R.add_fallback(FallbackKind.MODEL_NONFINITE, node="<none>", phase=phase, graph=rec,
-                           reason="NaN/Inf in compiled output and in eager (fp32 too): the model's own numerics",
-                           action="returned eager's result unchanged; no kernel blamed (repeats counted, not re-logged)",
-                           level=logging.INFO)
+        rec.counters["model_nonfinite"] = rec.counters.get("model_nonfinite", 0) + 1
         R.count("guard.model_nonfinite")
-        return eager_out
+        if values:
+            # Same NaN/Inf places, other finite values: the reference is the result eager gives.
+            self._report_once(FallbackKind.MODEL_NONFINITE, reason=(
+                f"NaN/Inf in outputs {values} at the same places in compiled and eager code, but the other values "
+                "differ beyond the tolerance of their dtype"), action="returned eager's result (repeats counted, not re-logged)")
+            return ref
+        stale = nonfinite_inputs(call.inputs) if self.inputs_are_primals else []
+        if stale:
+            # Not this graph's numerics: what it was given already held NaN/Inf.
+            self._report_once(FallbackKind.NONFINITE_INPUTS, reason=(
+                f"graph inputs {stale[:8]} already hold NaN/Inf (parameters, buffers or activations), so eager's "
+                "result is non-finite too; an earlier step made them: a kernel fault on a call the guard did not "
+                "check (see any nonfinite_late entry) or the model's own divergence"),
+                action="returned the compiled result, which equals eager's; nothing blamed (repeats counted, not re-logged)")
+            return out
+        # The model's own values: keep the compiled outputs (the backward reads what this forward
+        # saved) and learn which infinities each output may hold on later calls. A NaN is never
+        # learned: every check meets it again.
+        for i in bad:
+            learned = allowance(ref[i])
+            if learned is not None:
+                self.allowed[i] = learned
+        log.debug("enn: graph %s: outputs %s hold NaN/Inf that eager makes too (the model's own values); compiled "
+                  "outputs kept", rec.id, bad)
+        return out
+
+    def _fp32_retry(self, what: str, call: "_Call", bad: list) -> Any:
+        """Low precision overflowed in eager too: the fp32 graph's result if it is finite there
+        (and the graph is pinned to fp32 from now on), else None."""
+        rec, phase, R = self.record, self.record.phase, report()
+        self._restore(call)
+        out32, exc32 = self._run_eager(self.compiler.fp32_gm(), call.inputs)
+        ok = exc32 is None and not (set(nonfinite_outputs(out32)) & set(bad))
+        if _distributed():
+            ok = not _agree(not ok)
+        if not ok:
+            return None
+        if self.mode == "strict":
+            raise EnnGuardError(
+                f"enn (guard=strict): graph {rec.id} (phase {phase}) overflows in low precision ({what}); fp32 is finite."
+            )
+        self._count_fault()
+        new = self.compiler.build(fp32=True)
+        self.compiler.adopt(new, fp32=True)
+        self._adopt(new)
+        self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)
+        R.add_fallback(FallbackKind.PRECISION, node="<graph>", phase=phase, graph=rec,
+                       reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
+                       action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run")
+        rec.promotions.append({"node": "<graph>", "reason": "master-dtype retry: low precision overflowed"})
+        return out32
+
+    def _report_once(self, kind: FallbackKind, reason: str, action: str) -> None:
+        if kind in self.reported:
+            return
+        self.reported.add(kind)
+        report().add_fallback(kind, node="<none>", phase=self.record.phase, graph=self.record, reason=reason,
+                              action=action)
+
+
+class _Call:
+    """What the ladder needs of one call: its inputs (None when not held), copies of the inputs
+    it may write into, the RNG state before it, and the fast path's generation it ran on."""
+
+    __slots__ = ("inputs", "snapshot", "rng", "generation")
+
+    def __init__(self, inputs: list | None, snapshot: list | None, rng: _RngSnapshot | None, generation: int) -> None:
+        self.inputs, self.snapshot, self.rng, self.generation = inputs, snapshot, rng, generation

@@ -1,0 +1,159 @@
+"""NaN/Inf screens of a graph's outputs, and how a compiled result compares with the reference.
+
+The guard screens the floating outputs of a compiled call for NaN/Inf. An output may be
+*allowed* infinities the reference makes at the same places -- an additive ``-inf`` mask
+saved for the backward is the common case -- but never NaN: an allowance names the signs of
+infinity it tolerates (``"-inf"``, ``"+inf"`` or ``"inf"`` for both), learned from a
+reference run whose non-finite values were exactly those infinities. A NaN is screened on
+every checked call, whatever was seen before.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+INF = float("inf")
+
+# allowance -> the elements it still flags (a bool tensor, True where the value is not allowed)
+_FLAGGED = {
+    "-inf": lambda t: ~(t < INF),  # NaN and +inf
+    "+inf": lambda t: ~(t > -INF),  # NaN and -inf
+    "inf": torch.isnan,
+}
+
+
+def outputs(outs: Any) -> list:
+    """A graph's outputs as a list (a boxed graph returns a list or tuple, a bare one a tensor)."""
+    return outs if isinstance(outs, (list, tuple)) else [outs]
+
+
+def _floating(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0
+
+
+def _split(flat: list, allowed: dict[int, str]) -> tuple[list[int], list[int]]:
+    """(outputs screened in full, outputs with an allowance)."""
+    full = [i for i, t in enumerate(flat) if _floating(t) and i not in allowed]
+    partial = [i for i in allowed if i < len(flat) and _floating(flat[i])]
+    return full, partial
+
+
+def _totals(flat: list, idx: list[int]) -> list[torch.Tensor]:
+    """One fp32 L1 norm per output, summed per device and dtype (NaN + x = NaN, Inf - Inf = NaN):
+    a finite total means every output is finite. On CUDA one _foreach_norm launches a few
+    kernels for all outputs of a dtype instead of one kernel per output."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for i in idx:
+        groups.setdefault((flat[i].device, flat[i].dtype), []).append(flat[i])
+    totals = []
+    for (device, _), ts in groups.items():
+        if device.type == "cuda":
+            totals.append(torch.stack(torch._foreach_norm(ts, 1, dtype=torch.float32)).sum())
+        else:
+            totals.append(torch.stack([t.sum(dtype=torch.float32) for t in ts]).sum())
+    return totals
+
+
+def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[int]:
+    """Indices (in the flat output list) of floating outputs holding values they may not hold:
+    NaN/Inf, or for an output with an allowance, NaN or an infinity of another sign.
+
+    One fp32 reduction per output screens them with one host sync per device and dtype;
+    only when the screen trips (a NaN/Inf, or a sum overflowing) is each output checked exactly.
+    """
+    flat = outputs(outs)
+    allowed = allowed or {}
+    full, partial = _split(flat, allowed)
+    bad = [i for i in partial if bool(_FLAGGED[allowed[i]](flat[i]).any())]
+    if not full or all(math.isfinite(t.item()) for t in _totals(flat, full)):
+        return bad
+    return sorted(bad + [i for i in full if not bool(torch.isfinite(flat[i]).all())])
+
+
+def nonfinite_inputs(inputs: list) -> list[int]:
+    """Indices of floating inputs holding NaN/Inf."""
+    return [i for i, t in enumerate(inputs) if _floating(t) and not bool(torch.isfinite(t).all())]
+
+
+def single_cuda_device(outs: Any) -> bool:
+    """Are all floating outputs on one CUDA device (so they can be screened without a sync)?"""
+    devices = {t.device for t in outputs(outs) if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+
+class LateScreen:
+    """The screen of one call's outputs, computed on the GPU and copied to pinned host memory
+    behind an event: read back once the event has passed, with no device sync."""
+
+    def __init__(self, outs: Any, allowed: dict[int, str], host: torch.Tensor, call: int) -> None:
+        flat = outputs(outs)
+        full, partial = _split(flat, allowed)
+        flags = [~torch.isfinite(torch.stack(_totals(flat, full)).sum())] if full else []
+        flags += [_FLAGGED[allowed[i]](flat[i]).any() for i in partial]
+        self.call, self.host, self.event = call, host, None
+        if flags:
+            host.copy_(torch.stack(flags).any(), non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self, wait: bool = False) -> bool | None:
+        """True: a value not allowed found; False: clean; None: not known yet (``wait`` blocks instead)."""
+        if self.event is None:
+            return False
+        if not self.event.query():
+            if not wait:
+                return None
+            self.event.synchronize()
+        return bool(self.host)
+
+
+# ----------------------------------------------------------------------- against the reference
+def same_nonfinite(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """NaN, +inf and -inf at exactly the same places."""
+    if a.shape != b.shape:
+        return False
+    return (torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(torch.isposinf(a), torch.isposinf(b))
+            and torch.equal(torch.isneginf(a), torch.isneginf(b)))
+
+
+# How far the finite values of two runs of one graph may differ and still count as the same
+# values: Inductor's fusions reorder reductions, so low precision gets a wide band.
+_TOLERANCE = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
+_TOLERANCE_FP32 = (1e-4, 1e-5)  # (rtol, atol)
+
+
+def finite_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The finite values of ``a`` and ``b`` agree within the tolerance of their dtype (the
+    non-finite places are compared by :func:`same_nonfinite`)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    rtol, atol = _TOLERANCE.get(a.dtype, _TOLERANCE_FP32)
+    keep = torch.isfinite(a) & torch.isfinite(b)
+    x, y = a[keep].double(), b[keep].double()
+    scale = y.abs().max().item() if y.numel() else 0.0
+    return bool(((x - y).abs() <= atol * max(1.0, scale) + rtol * y.abs()).all())
+
+
+def divergent(out: list, ref: list, idx: list[int]) -> tuple[list[int], list[int]]:
+    """Of the outputs ``idx``: (those whose NaN/Inf places differ from the reference's, those
+    whose places agree but whose finite values do not)."""
+    pattern, values = [], []
+    for i in idx:
+        a, b = out[i], ref[i]
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or not same_nonfinite(a, b):
+            pattern.append(i)
+        elif not finite_close(a, b):
+            values.append(i)
+    return pattern, values
+
+
+def allowance(ref: torch.Tensor) -> str | None:
+    """What an output may hold on later calls, given the reference made ``ref`` there: the signs
+    of infinity it holds; None if it holds a NaN (a NaN is never allowed ahead of time)."""
+    if bool(torch.isnan(ref).any()):
+        return None
+    pos, neg = bool(torch.isposinf(ref).any()), bool(torch.isneginf(ref).any())
+    return {(True, True): "inf", (True, False): "+inf", (False, True): "-inf"}.get((pos, neg))

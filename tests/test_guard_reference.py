@@ -1,0 +1,147 @@
+"""The guard never makes a result worse than no guard: its reference run reads exactly what the
+compiled call was given, NaN/Inf that eager makes too is not a fault (and never switches the
+check off), and concurrent calls share one ladder."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend.guard import runtime as R
+
+from _models import assert_close_step, make, train_step
+
+ISOLATED = {"attention": False, "epilogue": False, "persist": False, "repro": False}
+
+
+def _guard_of(record) -> R.GuardedGraph:
+    return next(o for o in gc.get_objects() if type(o) is R.GuardedGraph and o.record is record)
+
+
+def test_backward_rerun_reads_the_inputs_it_was_given(monkeypatch):
+    """A faulty backward is re-run on the inputs its compiled call received. AOT Autograd donates
+    a backward's saved tensors and Inductor may write into them (torch 2.14+ does, for this block
+    in bf16), so the guard compiles without donation: the reference must read them unchanged."""
+    seen: dict[str, list] = {}
+    init = R.GuardedGraph.__init__
+
+    def spying_init(self, compiler, compiled, record):
+        init(self, compiler, compiled, record)
+        assert compiler.written == compiler.mutated, "a guarded backward got donated buffers"
+
+        def spy(args):
+            if record.phase == "backward":
+                seen["given"] = [a.clone() for a in args]
+            return compiled(args)
+
+        spy._boxed_call = True
+        self.compiled = spy
+
+    run_eager = R.GuardedGraph._run_eager
+
+    def spying_run_eager(self, gm, inputs):
+        if self.record.phase == "backward":
+            seen.setdefault("rerun", [a.clone() for a in inputs])
+        return run_eager(self, gm, inputs)
+
+    monkeypatch.setattr(R.GuardedGraph, "__init__", spying_init)
+    monkeypatch.setattr(R.GuardedGraph, "_run_eager", spying_run_eager)
+    model, x = make("block")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "fault_inject": "aten.erf:nan:bwd"})
+    got = train_step(model, x, compiled, torch.bfloat16)
+    assert_close_step(got, train_step(model, x, autocast=torch.bfloat16), torch.bfloat16)
+    changed = [i for i, (a, b) in enumerate(zip(seen["given"], seen["rerun"])) if not torch.equal(a, b)]
+    assert changed == [], f"backward inputs {changed} changed between the compiled call and the re-run"
+
+
+class _Log(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 2.0, 8))
+
+    def forward(self, x):
+        return torch.log(x) * self.w
+
+
+def test_models_own_nan_does_not_switch_the_check_off():
+    """One batch where eager makes a NaN too (log of a negative number) must not stop the guard
+    from catching a kernel that breaks later, inside the warm-up where every call is checked."""
+    model = _Log()
+    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    own, good = torch.linspace(-1.0, 1.0, 8), torch.linspace(0.1, 1.0, 8)
+    with torch.no_grad():
+        got = compiled(own)
+        assert torch.equal(torch.isnan(got), torch.isnan(model(own))) and torch.isnan(got).any()
+        assert enn_backend.report().to_dict()["fallbacks"] == []
+        (record,) = enn_backend.report().graphs
+        guard = _guard_of(record)
+        kernels = guard.compiled
+        guard.compiled = lambda args: [torch.full_like(t, float("nan")) for t in kernels(args)]  # a kernel gone bad
+        fixed = compiled(good)
+        torch.testing.assert_close(fixed, model(good))
+        again = compiled(own)  # the model's own NaN again: still not a fault
+    assert torch.equal(torch.isnan(again), torch.isnan(model(own)))
+    rep = enn_backend.report().to_dict()
+    (fb,) = rep["fallbacks"]
+    # a fresh compile of the graph does not have this fault: the guard adopts it and blames no node
+    assert fb["kind"] == "nonfinite" and fb["node"] == "<graph>" and "did not reproduce" in fb["action"], fb
+    assert rep["graphs"][0]["pinned"] == [] and rep["graphs"][0]["counters"]["model_nonfinite"] == 2
+
+
+def test_nan_parameters_are_said_to_come_from_earlier_not_blamed():
+    """When eager is non-finite only because a parameter already is, the report says so."""
+    model = _Log()
+    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    x = torch.linspace(0.1, 1.0, 8)
+    with torch.no_grad():
+        compiled(x)
+        model.w[3] = float("nan")
+        got = compiled(x)
+        compiled(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(model(x).detach()))
+    rep = enn_backend.report().to_dict()
+    assert [f["kind"] for f in rep["fallbacks"]] == ["nonfinite_inputs"]  # once, repeats counted
+    assert "already hold NaN/Inf" in rep["fallbacks"][0]["reason"] and rep["graphs"][0]["pinned"] == []
+
+
+def test_threads_share_one_ladder_and_blame_only_the_culprit():
+    """One compiled block called from 4 threads with one faulty kernel: no thread sees an error
+    from enn's machinery, every result equals eager's, the ladder runs once, and only the faulty
+    op's nodes are pinned."""
+    model, _ = make("block")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "fault_inject": "aten.erf:nan:fwd"})
+    xs = [torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(xs))
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            with torch.no_grad():
+                for _ in range(3):
+                    results[i] = compiled(xs[i])
+        except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            torch.testing.assert_close(results[i], model(x))
+    rep = enn_backend.report().to_dict()
+    assert {f["kind"] for f in rep["fallbacks"]} == {"nonfinite"}, rep["fallbacks"]
+    # Dynamo may compile the frame once per thread: one graph localizes the fault, the others
+    # find its culprit in kernel state and confirm it with one trial
+    localized = [f for f in rep["fallbacks"] if "records as faulty" not in f["action"]]
+    assert len(localized) == 1, rep["fallbacks"]
+    for g in rep["graphs"]:
+        assert g["pinned"] and all(n.startswith("erf") for n in g["pinned"]), g["pinned"]
