@@ -175,6 +175,18 @@ def test_an_unreadable_file_is_ignored_once_and_replaced_at_the_next_write(tmp_p
     assert set(_on_disk(tmp_path)) == {KEY}
 
 
+def test_a_file_of_a_newer_format_is_left_alone(tmp_path, caplog):
+    path = os.path.join(tmp_path, K.FILE_NAME)
+    newer = json.dumps({"format": K.FORMAT, "version": K.VERSION + 1, "entries": [{"key": KEY, "new": 1}]})
+    with open(path, "w") as f:
+        f.write(newer)
+    state = _state(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="enn_backend"):
+        state.record(KEY, "pinned", reason="r")
+    assert "newer than this enn's" in caplog.text and "apply in this process only" in caplog.text
+    assert state.lookup(KEY) is not None and open(path).read() == newer
+
+
 # ----------------------------------------------------------------------------- bounds
 def test_past_the_entry_bound_the_oldest_entries_are_dropped_with_a_warning(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(K, "MAX_ENTRIES", 5)

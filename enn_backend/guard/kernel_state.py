@@ -22,8 +22,10 @@ Rules:
   twice what 1000 entries of the longest allowed fields take) is not parsed: it is ignored
   with a warning and replaced at the next write.
 - Every field of every entry is validated on load (type and range); an invalid entry is
-  dropped with a warning, an unreadable file is ignored with a warning. Nothing in the file
-  is executed (JSON, no pickle), and nothing in it can crash enn.
+  dropped with a warning, an unreadable file is ignored with a warning (and replaced at the
+  next write, except a file of a newer format, which a newer enn sharing the folder wrote:
+  that one is left alone and this process keeps its new entries in memory). Nothing in the
+  file is executed (JSON, no pickle), and nothing in it can crash enn.
 
 Sharing between processes: one JSON file per cache folder (``kernel_state.json``), changed
 only under an exclusive ``flock`` on a lock file beside it. A writer takes the lock,
@@ -236,9 +238,11 @@ class KernelState:
             if sig != self._sig:
                 self._entries, self._sig = self._read()
 
-    def _read(self) -> tuple[Entries, tuple | None]:
+    def _read(self, writing: bool = False) -> tuple[Entries, tuple | None]:
         """The valid entries in the file now and the file's signature; a missing or unreadable
-        file reads as empty, an invalid entry is left out (both with a warning)."""
+        file reads as empty, an invalid entry is left out (both with a warning). A file of a
+        newer format (a newer enn shares the folder) reads as empty too, but is not for this
+        enn to overwrite: OSError when ``writing``."""
         assert self.path
         try:
             with open(self.path, "rb") as f:
@@ -254,6 +258,11 @@ class KernelState:
             return {}, None
         try:
             return self._parse(data), _signature(st)
+        except _NewerFormat as exc:
+            if writing:
+                raise OSError(f"{self.path} has {exc}") from None
+            self._warn(f"enn: ignoring kernel state file {self.path} ({exc})")
+            return {}, _signature(st)
         except ValueError as exc:
             self._warn(f"enn: ignoring kernel state file {self.path} ({exc}); starting with no recorded faults")
             return {}, _signature(st)
@@ -261,6 +270,8 @@ class KernelState:
     def _parse(self, data: Any) -> Entries:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError("not an enn kernel-state file")
+        if isinstance(data.get("version"), int) and data["version"] > VERSION:
+            raise _NewerFormat(f"format version {data['version']}, newer than this enn's ({VERSION})")
         if data.get("version") != VERSION:
             raise ValueError(f"format version {data.get('version')!r:.20}, this enn reads version {VERSION}")
         if not isinstance(data.get("entries"), list):
@@ -339,7 +350,7 @@ class KernelState:
                 return result
             try:
                 with self._locked():
-                    entries, _ = self._read()  # what other processes wrote since
+                    entries, _ = self._read(writing=True)  # what other processes wrote since
                     result = change(entries)
                     self._write(entries)
                     self._entries, self._sig = entries, _signature(os.stat(self.path))
@@ -400,6 +411,10 @@ class KernelState:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(folder, f))
                     log.info("enn: removed %s, a temporary file a killed writer left", os.path.join(folder, f))
+
+
+class _NewerFormat(ValueError):
+    pass
 
 
 def _signature(st: os.stat_result) -> tuple:
