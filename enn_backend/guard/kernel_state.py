@@ -18,9 +18,9 @@ Rules:
   days the kernel is compiled again and, if it is still broken, the guard catches it once
   more and pins it again.
 - At most ``MAX_ENTRIES`` (1000) entries: a write that would exceed it drops the entries
-  whose last fault is oldest, with a warning. A file larger than ``MAX_FILE_BYTES`` (4 MiB,
-  twice what 1000 entries of the longest allowed fields take) is not parsed: it is ignored
-  with a warning and replaced at the next write.
+  whose last fault is oldest, with a warning. A file larger than ``MAX_FILE_BYTES`` (8 MiB:
+  more than 1000 entries as enn writes them can take, about 7 KiB each at most, typically
+  under 1 KiB) is not parsed: it is ignored with a warning and replaced at the next write.
 - Every field of every entry is validated on load (type and range); an invalid entry is
   dropped with a warning, an unreadable file is ignored with a warning (and replaced at the
   next write, except a file of a newer format, which a newer enn sharing the folder wrote:
@@ -85,7 +85,7 @@ VERSION = 2
 FILE_NAME = "kernel_state.json"
 ACTIONS = ("pinned", "fp32")
 MAX_ENTRIES = 1000
-MAX_FILE_BYTES = 4 * 2**20
+MAX_FILE_BYTES = 8 * 2**20
 MAX_AGE_DAYS = 30
 MAX_TEXT = 500  # characters in a string field
 LOCK_TIMEOUT_S = 30.0
@@ -465,9 +465,10 @@ def announce_pins(state: KernelState, nodes: int) -> None:
     """Say once per process, at WARNING, that nodes are pinned from a state file and how
     to clear it (every compile that applies pins also adds a report line)."""
     global _pins_announced
-    if _pins_announced or not state.path:
-        return
-    _pins_announced = True
+    with _STATES_LOCK:
+        if _pins_announced or not state.path:
+            return
+        _pins_announced = True
     log.warning("enn: kernel state %s records faults of kernels in this model: %d node(s) run eagerly, not "
                 "compiled, until the entries expire (%d days after the last fault) or are cleared: %s",
                 state.path, nodes, MAX_AGE_DAYS, state_command(state, "clear"))
