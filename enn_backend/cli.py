@@ -7,6 +7,7 @@ Each command lives in its own module and exposes ``main(argv) -> int``:
   report    pretty-print a saved report JSON                                (enn_backend.debug.cli)
   minify    shrink a repro script to the smallest failing graph             (enn_backend.debug.cli)
   bench     benchmark and accuracy suite                                    (enn_backend.bench.cli)
+  state     list or clear kernel state (kernels pinned after a fault)       (enn_backend.debug.cli)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ COMMANDS = {
     "report": ("enn_backend.debug.cli", "report_main", "pretty-print a saved enn report (JSON)"),
     "minify": ("enn_backend.debug.cli", "minify_main", "shrink an enn repro script to the smallest failing graph"),
     "bench": ("enn_backend.bench.cli", "main", "run the benchmark and accuracy suite"),
+    "state": ("enn_backend.debug.cli", "state_main", "list or clear kernel state: kernels pinned to eager after a fault"),
 }
 
 

@@ -12,6 +12,7 @@ import importlib.metadata
 import os
 import platform
 import sys
+import time
 
 import torch
 
@@ -37,6 +38,26 @@ def _attention_backends(device: torch.device) -> list[tuple[str, bool, str]]:
     return rows
 
 
+def _kernel_state(opts: Options) -> str:
+    """How many pins from earlier faults the next compile starts with, and how to clear them."""
+    from .guard import kernel_state as K
+
+    path = K.state_path(opts)
+    if path is None:
+        return "kernel state: kept in memory, per process (persist is off, or fault_inject without cache_dir)"
+    state, now = K.KernelState(path), time.time()
+    entries = state.entries()
+    in_force = [e for e in entries if e.status(now) == "in force"]
+    pinned = sum(e.action == "pinned" for e in in_force)
+    line = (f"kernel state: {len(in_force)} pin(s) in force ({pinned} kernel(s) run eagerly, "
+            f"{len(in_force) - pinned} graph(s) in fp32) in {path}")
+    if len(entries) > len(in_force):
+        line += f"; {len(entries) - len(in_force)} more expired or of another torch/enn version (not applied)"
+    if entries:
+        line += f"\n    list them: {K.state_command(state, 'list')}\n    clear them: {K.state_command(state, 'clear')}"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     ok = True
     print(f"enn {__version__}  (python {platform.python_version()}, {platform.machine()})")
@@ -59,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         cache = opts.resolved_cache_dir()
         writable = os.access(cache, os.W_OK) if os.path.isdir(cache) else os.access(os.path.dirname(cache) or ".", os.W_OK)
         print(f"enn cache dir: {cache} ({'writable' if writable else 'NOT writable: kernel state will not persist'})")
+        print(_kernel_state(opts))
         print(f"enn repro dir: {os.path.abspath(opts.repro_dir)}")
     except OptionsError as exc:
         ok = False

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from . import aot_cache, compat
 from .guard import graph_edit as E
-from .guard.kernel_state import KernelState, graph_key, node_key, state_for
+from .guard.kernel_state import KernelState, announce_pins, graph_key, node_key, state_for
 from .guard.runtime import GuardedGraph
 from .debug.log import log_compiled_graph
 from .options import Options
@@ -106,8 +106,9 @@ class GraphCompiler:
         if pins:
             report().add_fallback(
                 FallbackKind.PINNED_FROM_STATE, node=",".join(pins), phase=self.phase, graph=self.record,
-                reason=f"kernel state in {self.state.path} records faults for these kernels",
+                reason=f"kernel state in {self.state.path or 'memory'} records faults for these kernels",
                 action=f"compiled with {len(pins)} node(s) pinned to eager", level=logging.INFO)
+            announce_pins(self.state, len(pins))
         return frozenset(pins)
 
     def recorded_pins(self) -> frozenset[str]:

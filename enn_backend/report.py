@@ -15,7 +15,8 @@ import enum
 import json
 import logging
 import os
-import tempfile
+import secrets
+import stat
 import threading
 import time
 from collections import Counter
@@ -224,9 +225,14 @@ def atomic_write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old or the new file, never half of one."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    # created as open() creates a file (0666 less the umask; mkstemp would make it 0600),
+    # then given the mode of the file it replaces
+    tmp = os.path.join(directory, f".tmp-{secrets.token_hex(8)}{os.path.basename(path)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

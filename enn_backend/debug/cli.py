@@ -1,4 +1,4 @@
-"""``python -m enn_backend report FILE`` and ``python -m enn_backend minify REPRO``."""
+"""``python -m enn_backend report FILE``, ``minify REPRO`` and ``state list|clear``."""
 
 from __future__ import annotations
 
@@ -75,4 +75,89 @@ def minify_main(argv: list[str]) -> int:
     print(f"enn minify: {res.kind} reproduces with {res.nodes_after} of {res.nodes_before} nodes "
           f"({res.checks} check{'s' if res.checks != 1 else ''}, {res.seconds:.1f}s)")
     print(f"wrote {_shown(res.path)}")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{max(int(seconds), 0)}s"
+
+
+def state_main(argv: list[str]) -> int:
+    import os
+    import time
+    from dataclasses import asdict
+
+    from ..guard import kernel_state as K
+    from ..options import Options, OptionsError
+
+    p = argparse.ArgumentParser(
+        prog="python -m enn_backend state",
+        description="List or clear enn's kernel state: the kernels the guard pinned to eager (and the graphs it moved "
+                    "to fp32) after they faulted. Every later compile of the same kernel on this machine's cache folder, "
+                    "torch and enn version starts with the pin, until the entry expires "
+                    f"({K.MAX_AGE_DAYS} days after its last fault) or is cleared.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{list,clear}")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--cache-dir", metavar="DIR",
+                       help=f"the folder holding {K.FILE_NAME} (default: ENN_CACHE_DIR, else ~/.cache/enn)")
+    ls = sub.add_parser("list", parents=[where], help="list the entries (key, action, fails, age, status, reason, torch, machine)")
+    ls.add_argument("--json", action="store_true", help="print the entries as JSON")
+    cl = sub.add_parser("clear", parents=[where], help="remove every entry, or those whose key contains --key")
+    cl.add_argument("--key", metavar="TEXT", help="remove only the entries whose key contains TEXT")
+    args = p.parse_args(argv)
+    folder = args.cache_dir
+    if not folder:
+        try:
+            folder = Options.from_sources().resolved_cache_dir()
+        except OptionsError as exc:
+            print(f"enn state: {exc}", file=sys.stderr)
+            return 2
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        print(f"enn state: {folder} is not a folder", file=sys.stderr)
+        return 2
+    state = K.KernelState(os.path.join(folder, K.FILE_NAME))
+    now = time.time()
+
+    if args.command == "clear":
+        if not os.path.exists(state.path):
+            print(f"no kernel state in {state.path}: nothing to clear")
+            return 0
+        try:
+            gone = state.clear(None if args.key is None else (lambda e: args.key in e.key))
+        except OSError as exc:
+            print(f"enn state: cannot write {state.path}: {exc}", file=sys.stderr)
+            return 2
+        if args.key is not None and not gone:
+            print(f"enn state: no entry's key contains {args.key!r} in {state.path}", file=sys.stderr)
+            return 1
+        print(f"removed {len(gone)} entr{'y' if len(gone) == 1 else 'ies'} from {state.path}")
+        for e in gone:
+            print(f"  {e.key} ({e.action}, torch {e.torch_version})")
+        return 0
+
+    entries = sorted(state.entries(), key=lambda e: (e.status(now) != "in force", -e.last_time))
+    if args.json:
+        torch_version, enn_version = K.current_versions()
+        print(json.dumps({"path": state.path, "torch_version": torch_version, "enn_version": enn_version,
+                          "max_age_days": K.MAX_AGE_DAYS,
+                          "entries": [{**asdict(e), "age_s": round(now - e.last_time, 1), "status": e.status(now)}
+                                      for e in entries]}, indent=2))
+        return 0
+    if not entries:
+        print(f"no kernel state in {state.path}")
+        return 0
+    rows = [("KEY", "ACTION", "FAILS", "AGE", "STATUS", "TORCH", "MACHINE", "REASON")]
+    rows += [(e.key, e.action, str(e.fail_count), _age(now - e.last_time), e.status(now), e.torch_version, e.machine,
+              (e.reason or e.last_exc_msg)[:60]) for e in entries]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    print(f"kernel state {state.path} (age: since the last fault; entries expire after {K.MAX_AGE_DAYS} days "
+          "and apply only to the torch and enn version that wrote them)")
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    in_force = sum(e.status(now) == "in force" for e in entries)
+    print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {in_force} in force. "
+          f"Clear: {K.state_command(state, 'clear')} [--key TEXT]")
     return 0
