@@ -97,12 +97,13 @@ class GraphCompiler:
             self._safe_gm = E.pin_nodes(self.eager_gm, enn_nodes) if enn_nodes else self.eager_gm
         return self._safe_gm
 
+    def _state_pins(self, exclude: frozenset[str] = frozenset()) -> list[str]:
+        """Nodes (not in ``exclude``) whose kernels kernel state records as faulty."""
+        return [n.name for n in E.candidate_nodes(self.eager_gm) if n.name not in exclude
+                and (e := self.state.lookup(node_key(n))) is not None and e.action == "pinned"]
+
     def _pins_from_state(self) -> frozenset[str]:
-        pins = []
-        for n in E.candidate_nodes(self.eager_gm):
-            entry = self.state.lookup(node_key(n))
-            if entry is not None and entry.action == "pinned":
-                pins.append(n.name)
+        pins = self._state_pins()
         if pins:
             report().add_fallback(
                 FallbackKind.PINNED_FROM_STATE, node=",".join(pins), phase=self.phase, graph=self.record,
@@ -114,8 +115,7 @@ class GraphCompiler:
     def recorded_pins(self) -> frozenset[str]:
         """Nodes not pinned yet whose kernels kernel state now records as faulty (another
         graph, thread or process localized them since this graph was compiled)."""
-        return frozenset(n.name for n in E.candidate_nodes(self.eager_gm) if n.name not in self.pinned_names
-                         and (e := self.state.lookup(node_key(n))) is not None and e.action == "pinned")
+        return frozenset(self._state_pins(exclude=self.pinned_names))
 
     def eager_callable(self) -> Callable[[list], Any]:
         gm = self.eager_gm
