@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-GUARD_MODES = ("off", "exceptions", "nonfinite", "strict")
+GUARD_MODES = ("off", "exceptions", "nonfinite", "values", "strict")
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "flex", "explicit")
 MASKED_ROW_MODES = ("eager", "zero")
 TAIL_MODES = ("auto", "on", "off")
@@ -53,7 +53,7 @@ class Options:
         default="nonfinite",
         metadata=_meta(
             "ENN_GUARD",
-            "Runtime guard of every compiled graph: off | exceptions | nonfinite | strict.",
+            "Runtime guard of every compiled graph: off | exceptions | nonfinite | values (every checked call also compared with eager) | strict.",
             codegen=False,
             choices=GUARD_MODES,
         ),
@@ -71,6 +71,14 @@ class Options:
         metadata=_meta(
             "ENN_GUARD_WARMUP",
             "Check every call of a newly compiled (or recompiled) graph for this many calls, whatever guard_every says.",
+            codegen=False,
+        ),
+    )
+    guard_values: int = field(
+        default=1000,
+        metadata=_meta(
+            "ENN_GUARD_VALUES",
+            "Compare a graph's compiled results (outputs, gradients, writes into inputs) with eager's on its first call and then every N-th call (0: never); a kernel whose finite values are wrong is localized and pinned like a NaN.",
             codegen=False,
         ),
     )
@@ -208,6 +216,8 @@ class Options:
     def __post_init__(self) -> None:
         if self.guard_every < 1:
             raise OptionsError(f"enn: guard_every must be >= 1, got {self.guard_every}")
+        if self.guard_values < 0:
+            raise OptionsError(f"enn: guard_values must be >= 0, got {self.guard_values}")
         if self.guard_warmup < 0:
             raise OptionsError(f"enn: guard_warmup must be >= 0, got {self.guard_warmup}")
         if self.localize_budget < 0:

@@ -157,3 +157,42 @@ def allowance(ref: torch.Tensor) -> str | None:
         return None
     pos, neg = bool(torch.isposinf(ref).any()), bool(torch.isneginf(ref).any())
     return {(True, True): "inf", (True, False): "+inf", (False, True): "-inf"}.get((pos, neg))
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Same dtype and shape, NaN/Inf at the same places, other values within the dtype's
+    tolerance (integer and boolean tensors: equal)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a == b
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    return same_nonfinite(a, b) and finite_close(a, b)
+
+
+def diverging(out: list, ref: list) -> list[int]:
+    """Indices of the outputs whose values differ from the reference's (see same_values)."""
+    return [i for i, (a, b) in enumerate(zip(out, ref)) if not same_values(a, b)]
+
+
+def _rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    keep = torch.isfinite(a) & torch.isfinite(b)
+    d = a[keep].double() - b[keep].double()
+    return float(d.square().mean().sqrt()) if d.numel() else 0.0
+
+
+def compiled_is_worse(out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor) -> bool:
+    """Is the compiled value further from the fp64 run than the reference is? (torch's own
+    accuracy rule: RMSE(compiled) > m * RMSE(reference) + atol / 10, m = 2 for fp32 and 3 for
+    fp16/bf16, so the reference's own rounding is never held against the compiled code).
+    A dtype or shape the reference does not have is always worse."""
+    if out.dtype != ref.dtype or out.shape != ref.shape:
+        return True
+    if not out.is_floating_point():
+        return not torch.equal(out, ref)
+    if not same_nonfinite(out, ref):  # worse when the reference has its NaN/Inf where fp64 does
+        return same_nonfinite(ref, ref64.to(ref.dtype))
+    m = 3.0 if out.dtype in _TOLERANCE else 2.0
+    atol = _TOLERANCE.get(out.dtype, _TOLERANCE_FP32)[1]
+    return _rmse(out, ref64) > m * _rmse(ref, ref64) + atol / 10
