@@ -1,10 +1,15 @@
 """Parsing of ``ENN_FAULT_INJECT`` / ``options={"fault_inject": ...}``.
 
-Grammar: ``<op>:<kind>[:<phase>][,<op>:<kind>[:<phase>]...]``
+Grammar: ``<op>:<kind>[@<n>][:<phase>][,<op>:<kind>[@<n>][:<phase>]...]``
 
 - ``<op>``: an op packet or overload as printed by torch, e.g. ``aten.mm``,
   ``aten.addmm.default``, ``aten._softmax``, or an enn op such as ``enn.attention``.
-- ``<kind>``: ``raise`` | ``nan`` | ``inf``.
+- ``<kind>``: ``raise`` | ``nan`` | ``inf``. ``@<n>`` (an integer, at least 2) makes the
+  fault intermittent, a flaky kernel: it strikes on every n-th call of each planted node
+  (calls n, 2n, ...), and the other calls return the node's true output. Each planted node
+  counts its own calls, and the count belongs to that node of the compiled unit: every
+  artifact built from the graph (the guard's trial recompiles, the pinned fix) shares it,
+  so a recompile does not restart it, and a new compile (a new unit) starts from zero.
 - ``<phase>``: ``fwd`` | ``bwd`` | ``compile`` | ``any`` (default ``any``): ``fwd`` hits
   forward and inference graphs, ``bwd`` backward graphs, ``compile`` makes the
   lowering of the planted op raise while Inductor compiles (any graph).
@@ -12,10 +17,12 @@ Grammar: ``<op>:<kind>[:<phase>][,<op>:<kind>[:<phase>]...]``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 FAULT_KINDS = ("raise", "nan", "inf")
 FAULT_PHASES = ("fwd", "bwd", "compile", "any")
+_parses = itertools.count(1)  # one number per parse: the planted nodes' call counts are per compiled unit
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,13 @@ class FaultSpec:
     op: str
     kind: str
     phase: str = "any"
+    every: int = 1  # strike on every n-th call of a planted node (1: every call)
+    plan: int = field(default=0, compare=False, repr=False)  # the parse it came from (its unit)
+
+    @property
+    def text(self) -> str:
+        """The spec as written in ``fault_inject``."""
+        return f"{self.op}:{self.kind}{f'@{self.every}' if self.every > 1 else ''}:{self.phase}"
 
     def matches_target(self, target: object) -> bool:
         names = target_names(target)
@@ -38,8 +52,12 @@ class FaultSpec:
             return graph_phase == "backward"
         return False
 
-    def planted_kind(self) -> str:
-        return "compile" if self.phase == "compile" else self.kind
+    def planted_kind(self, site: str) -> str:
+        """The ``kind`` argument of the ``enn::fault`` planted at ``site`` (``<graph phase>/<node>``):
+        ``<kind>@<n>#<plan>/<site>`` for an intermittent fault, whose calls are counted per site."""
+        if self.phase == "compile":
+            return "compile"
+        return self.kind if self.every == 1 else f"{self.kind}@{self.every}#{self.plan}/{site}"
 
 
 def target_names(target: object) -> tuple[str, ...]:
@@ -56,22 +74,33 @@ def parse_fault_spec(text: str) -> tuple[FaultSpec, ...]:
     from ..options import OptionsError
 
     specs = []
+    plan = next(_parses)
     for item in (s.strip() for s in text.split(",")):
         if not item:
             continue
         parts = item.split(":")
         if len(parts) not in (2, 3):
             raise OptionsError(
-                f"enn: bad fault_inject entry {item!r}; expected <op>:<kind>[:<phase>], "
+                f"enn: bad fault_inject entry {item!r}; expected <op>:<kind>[@<n>][:<phase>], "
                 f"kind in {FAULT_KINDS}, phase in {FAULT_PHASES}"
             )
         op, kind = parts[0].strip(), parts[1].strip()
         phase = parts[2].strip() if len(parts) == 3 else "any"
+        kind, at, every_text = kind.partition("@")
         if op.count(".") not in (1, 2) or not all(op.split(".")):
             raise OptionsError(f"enn: fault_inject op {op!r} must look like 'aten.mm' or 'aten.mm.default'")
         if kind not in FAULT_KINDS:
             raise OptionsError(f"enn: fault_inject kind {kind!r} must be one of {', '.join(FAULT_KINDS)}")
         if phase not in FAULT_PHASES:
             raise OptionsError(f"enn: fault_inject phase {phase!r} must be one of {', '.join(FAULT_PHASES)}")
-        specs.append(FaultSpec(op, kind, phase))
+        every = 1
+        if at:
+            if not every_text.isdigit() or int(every_text) < 2:
+                raise OptionsError(f"enn: fault_inject entry {item!r}: the n of {kind}@<n> must be an integer of at "
+                                   f"least 2 (the fault strikes on every n-th call; plain {kind!r} strikes on every call)")
+            if phase == "compile":
+                raise OptionsError(f"enn: fault_inject entry {item!r}: a compile fault strikes once, at compile "
+                                   f"time; @<n> is for run-time faults (phase fwd, bwd or any)")
+            every = int(every_text)
+        specs.append(FaultSpec(op, kind, phase, every, plan))
     return tuple(specs)

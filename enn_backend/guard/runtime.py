@@ -365,7 +365,8 @@ class GuardedGraph:
         t0 = time.perf_counter()
 
         def still_faulty(pins: frozenset[str]) -> bool:
-            compiled = self.compiler.build(extra_pins=pins, quiet=True)
+            # a pin set found fault-free before re-runs its kept artifact (localize confirms)
+            compiled = trial_cache.pop(pins, None) or self.compiler.build(extra_pins=pins, quiet=True)
             self._restore(inputs, snapshot, rng)
             try:
                 out = compiled(list(inputs))
