@@ -379,3 +379,42 @@ def test_flaky_kernel_is_pinned_to_its_one_culprit(monkeypatch):
     assert fwd["counters"]["faults"] == 1 and fwd["counters"]["calls"] == 6
     trials, reruns = re.search(r"after (\d+) trial recompile.*; (\d+) confirming re-run", fb["action"]).groups()
     assert int(reruns) > 0 and len(trial_builds) == int(trials), (len(trial_builds), fb["action"])
+
+
+# ----------------------------------------------------------------------------- fault_inject that plants nothing
+def test_fault_inject_that_plants_nothing_is_reported_per_unit(caplog):
+    """A spec that no graph of a compiled unit received is a WARNING and a report line with
+    the likely reason, decided once the graphs its phase reaches are compiled: a fwd spec
+    with the forward graph, a bwd/any spec with the (lazy) backward graph, or the inference
+    graph (no backward will come). A spec planted in some graphs of the unit only is fine."""
+    import logging
+
+    def not_planted():
+        return {f.reason.split("'")[1]: f for f in enn_backend.report().fallbacks if f.kind == "fault_not_planted"}
+
+    model, x = make("mlp")
+    specs = "aten.gelu:nan:fwd,aten.addmm:inf:bwd,aten.gleu:nan,aten.mm:nan"  # aten.mm: backward graph only
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard": "off", "fault_inject": specs})
+    with caplog.at_level(logging.WARNING, logger="enn_backend"):
+        out = compiled(x)
+        assert list(not_planted()) == ["aten.gelu:nan:fwd"]  # the others wait for the backward graph
+        out.square().mean().backward()
+    lines = not_planted()
+    assert sorted(lines) == ["aten.addmm:inf:bwd", "aten.gelu:nan:fwd", "aten.gleu:nan:any"]
+    gelu, addmm, typo = lines["aten.gelu:nan:fwd"], lines["aten.addmm:inf:bwd"], lines["aten.gleu:nan:any"]
+    assert gelu.graph == "g0/forward" and addmm.graph == typo.graph == "g0/backward"
+    assert "decomposed before faults are planted" in gelu.reason and "aten.erf" in gelu.reason, gelu.reason
+    assert "appears only in the forward graph" in addmm.reason, addmm.reason
+    assert "no op aten.gleu is registered" in typo.reason, typo.reason
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "fault_not_planted" in r.getMessage()]
+    assert len(warned) == 3 and all(any(spec in w for w in warned) for spec in lines), warned
+    assert torch.isnan(model.fc1.weight.grad).all()  # aten.mm's fault really was planted (guard off lets it through)
+
+    torch._dynamo.reset()  # an inference unit: a bwd spec is decided with its one graph
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard": "off",
+                                                            "fault_inject": "aten.addmm:nan:bwd,aten.addmm:inf:fwd"})
+    with torch.no_grad():
+        assert torch.isinf(compiled(x)).all()
+    bwd = not_planted()["aten.addmm:nan:bwd"]
+    assert bwd.graph == "g1/inference" and "only in the inference graph" in bwd.reason, bwd.reason
+    assert "aten.addmm:inf:fwd" not in not_planted()
