@@ -84,6 +84,7 @@ class _Graph:
     reached: set[FaultSpec]  # specs planted here, or whose nodes here are pinned to eager
     nodes: dict[FaultSpec, list[str]]  # nodes of each spec's op, whatever the phase
     ops: set[str]  # op packets of the graph ("aten.addmm")
+    planted: set[str]  # nodes that received a fault (of any spec)
 
 
 class FaultPlan:
@@ -152,7 +153,7 @@ class FaultPlan:
 def _scan(gm: Any, phase: str, specs: tuple[FaultSpec, ...], planted: list[str], pins: frozenset[str]) -> _Graph:
     # (the rule of enn_backend.guard.graph_edit.plant_faults: a node gets the first spec that applies)
     applies = [sp for sp in specs if sp.phase == "compile" or sp.applies_to(phase)]
-    graph = _Graph(phase, set(), {sp: [] for sp in specs}, set())
+    graph = _Graph(phase, set(), {sp: [] for sp in specs}, set(), set(planted))
     for n in gm.graph.nodes:
         names = target_names(n.target) if n.op == "call_function" else ()
         if not names:
@@ -177,8 +178,12 @@ def _why_not(spec: FaultSpec, graphs: list[_Graph], opts: Any) -> str:
     found = {g.phase: g.nodes[spec] for g in graphs if g.nodes[spec]}
     reachable = {g.phase for g in graphs if spec.phase in ("any", "compile") or spec.applies_to(g.phase)}
     if found.keys() & reachable:
-        names = ", ".join(n for p in reachable for n in found.get(p, []))
-        return f"its node(s) {names} have no floating-point tensor output a fault could spoil (or are views / in-place)"
+        nodes = [(n, g) for g in graphs if g.phase in reachable for n in g.nodes[spec]]
+        if all(n in g.planted for n, g in nodes):
+            return (f"its node(s) {', '.join(n for n, _ in nodes)} received an earlier spec of fault_inject "
+                    "(a node gets the first spec that matches it)")
+        return (f"its node(s) {', '.join(n for n, _ in nodes)} have no floating-point tensor output a fault could "
+                "spoil (or are views / in-place ops)")
     if found:
         return (f"{spec.op} appears only in the {' and '.join(found)} graph(s) of this unit, which phase "
                 f"{spec.phase!r} does not reach")
