@@ -143,6 +143,8 @@ class GraphCompiler:
         base = self.fp32_gm() if fp32 else self.eager_gm
         gm = E.pin_nodes(base, pins)
         gm, planted = E.plant_faults(gm, self.fault_specs, self.phase, skip=pins)
+        if self.fault_specs and not quiet:  # a spec that planted nothing in the unit is reported
+            self.fault_specs.graph_built(self, planted, pins)
         t0 = time.perf_counter()
         try:
             compiled = self._compile(gm, enn=True)

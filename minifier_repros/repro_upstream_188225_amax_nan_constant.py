@@ -11,8 +11,9 @@ What enn must do: record the compile_error, fall back (plain Inductor fails too,
 graph runs eagerly) and return eager's NaN unchanged as the model's own numerics. enn does
 not bisect compile errors it did not plant, so the report blames <graph>.
 
-    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 1 while the
-                            fault still reproduces (0 once fixed upstream, 2 undecided)
+    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 3 while the
+                            fault still reproduces (0 once fixed upstream, 4 undecided,
+                            1 the script itself failed)
     pytest <this file>      enn's guard must handle it: eager's result, the report names it
 """
 

@@ -140,7 +140,7 @@ def plant_faults(
         if out is None or not _val(out).is_floating_point():
             continue
         with graph.inserting_after(out):
-            f = graph.call_function(torch.ops.enn.fault.default, (out, spec.planted_kind()))
+            f = graph.call_function(torch.ops.enn.fault.default, (out, spec.planted_kind(f"{phase}/{n.name}")))
         f.meta["val"] = _val(out)
         out.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
         planted.append(n.name)

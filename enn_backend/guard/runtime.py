@@ -20,7 +20,7 @@ from .. import compat
 from ..report import FallbackKind, GraphRecord, report
 from . import graph_edit as E
 from .kernel_state import graph_key, node_key
-from .localize import Localization, localize, suspects_from_traceback
+from .localize import CONFIRM_RUNS, Localization, localize, suspects_from_traceback
 from .screen import (LateScreen, allowance, compiled_is_worse, divergent, diverging, nonfinite_inputs,
                      nonfinite_outputs, outputs, single_cuda_device)
 
@@ -393,7 +393,8 @@ class GuardedGraph:
         t0 = time.perf_counter()
 
         def still_faulty(pins: frozenset[str]) -> bool:
-            compiled = self.compiler.build(extra_pins=pins, quiet=True)
+            # a pin set found fault-free before re-runs its kept artifact (localize confirms)
+            compiled = trial_cache.pop(pins, None) or self.compiler.build(extra_pins=pins, quiet=True)
             self._restore(call)
             try:
                 out = compiled(list(call.inputs))
@@ -414,15 +415,19 @@ class GuardedGraph:
                 trial_cache[pins] = compiled
             return faulty
 
+        def reproduces(pins: frozenset[str]) -> bool:
+            # a flaky kernel passes some runs: a clean verdict needs every confirming run clean
+            return any(still_faulty(pins) for _ in range(CONFIRM_RUNS))
+
         trial_cache: dict[frozenset[str], Any] = {}
         known = self.compiler.recorded_pins()
-        if known and not still_faulty(known):
+        if known and not reproduces(known):
             # kernel state learned these kernels' fault since this graph was compiled
             loc, nodes, new = Localization(pinned=sorted(known), trials=1), ",".join(sorted(known)), trial_cache[known]
             action = (f"pinned {len(known)} node(s) whose kernels kernel state records as faulty, after 1 trial "
                       f"recompile in {time.perf_counter() - t0:.1f}s")
             localized = False  # the graph that localized them wrote the repro
-        elif not still_faulty(frozenset()):
+        elif not reproduces(frozenset()):
             # A fresh compile of the same graph, with the same pins, runs this call cleanly: the
             # fault was in the artifact or transient, and no node can be blamed on this evidence.
             loc, nodes, localized = None, "<graph>", False
