@@ -174,3 +174,4 @@ def test_values_that_only_the_reference_gets_wrong_blame_nobody():
     compiled(x)
     rep = enn_backend.report().to_dict()
     assert rep["fallbacks"] == [] and rep["graphs"][0]["pinned"] == []
+    assert rep["graphs"][0]["counters"]["value_reference_outlier"] == 1  # they did differ
