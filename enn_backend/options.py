@@ -94,7 +94,7 @@ class Options:
         default="",
         metadata=_meta(
             "ENN_FAULT_INJECT",
-            "Test facility: '<op>:<raise|nan|inf>[:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code.",
+            "Test facility: '<op>:<raise|nan|inf|scale<f>>[@<n>][:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code ('scale1.01': values 1% off; '@3': every 3rd call).",
         ),
     )
     cache_dir: str = field(
