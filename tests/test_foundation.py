@@ -96,6 +96,14 @@ def test_a_stray_env_variable_does_not_break_a_compile(monkeypatch, caplog):
     assert "ignoring unknown environment variable ENN_GAURD" in caplog.text
 
 
+def test_each_test_has_its_own_enn_state(tmp_path):
+    """conftest.py gives every test its own kernel-state and repro folders (nothing is shared
+    with another test, nor with the user's ~/.cache/enn)."""
+    opts = Options.from_sources()
+    for folder in (opts.resolved_cache_dir(), opts.repro_dir):
+        assert os.path.commonpath([folder, str(tmp_path)]) == str(tmp_path), (folder, tmp_path)
+
+
 def test_codegen_hash_ignores_runtime_only_options():
     a = Options.from_sources({}, environ={})
     assert a.codegen_hash() == a.replace(guard="off", guard_every=7).codegen_hash()
