@@ -18,6 +18,15 @@ import torch.fx
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 # --- Upstream behaviour that tests state, by version -------------------------------------
+def cpp_emulates_precision_casts() -> bool:
+    """torch >= 2.13: Inductor's C++ (CPU) code honours ``emulate_precision_casts``, rounding
+    each intermediate to the low-precision dtype as eager does; 2.11 and 2.12 emit the same CPU
+    code with it on or off (``codegen/cpp.py`` reads the flag from 2.13: checked in the 2.11,
+    2.12.1 and 2.13.0 sources; 2.11 measured). Triton code honours it on every supported torch.
+    Covered by tests/test_precision.py::test_emulate_precision_casts_matches_eager_bitwise."""
+    return TORCH_VERSION >= (2, 13)
+
+
 def emulate_precision_casts_rounds_python_scalars() -> bool:
     """torch >= 2.15: under ``emulate_precision_casts`` Inductor's C++ code rounds a Python
     scalar operand of a bf16 op to bf16 (``static_cast<at::BFloat16>(0.33)``; 2.13 and 2.14.1
