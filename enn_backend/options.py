@@ -12,8 +12,8 @@ Code beats the environment, as ``options=`` beats the environment-derived defaul
 override variables are the exception because bisecting is what they are for: "is it enn at
 all?" (``ENN_DISABLE=1``) and "stop at the first fault" (``ENN_GUARD=strict``) must reach
 every compile of a program without editing the code that calls ``torch.compile``, whatever
-options that code passes. Both only change how much enn does around Inductor, never what
-a compiled kernel computes; every other variable is a default that code may change.
+options that code passes. They are diagnostics, not configuration: no program has a reason
+to stop them. Every other variable is a default that code may change.
 
 An unknown key in ``options=`` or a bad value anywhere raises :class:`OptionsError`
 naming the valid choices. An unknown ``ENN_*`` variable is logged once (a warning naming
@@ -225,7 +225,7 @@ class Options:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type in ("int", int) and (type(value) is not int):
+            if f.type in ("int", int) and type(value) is not int:
                 raise OptionsError(f"enn: {f.name} must be an integer, got {value!r}")
         if self.guard_every < 1:
             raise OptionsError(f"enn: guard_every must be >= 1, got {self.guard_every}")
@@ -298,7 +298,7 @@ def _coerce(f: dataclasses.Field, raw: Any, where: str) -> Any:
         try:
             if isinstance(raw, bool):  # an int subclass, but never meant as a count
                 raise TypeError
-            return int(raw.strip()) if isinstance(raw, str) else operator.index(raw)
+            return int(raw) if isinstance(raw, str) else operator.index(raw)
         except (TypeError, ValueError):
             raise OptionsError(f"enn: {where} must be an integer, got {raw!r}") from None
     if not isinstance(raw, str):
