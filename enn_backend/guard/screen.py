@@ -161,13 +161,15 @@ def allowance(ref: torch.Tensor) -> str | None:
 
 def same_values(a: Any, b: Any) -> bool:
     """Same dtype and shape, NaN/Inf at the same places, other values within the dtype's
-    tolerance (integer and boolean tensors: equal)."""
+    tolerance. Integer and boolean outputs (indices, counts, block masks a kernel saves for its
+    backward) are compared by dtype and shape only: their values are not results a model
+    returns, and a kernel may lay out its bookkeeping differently from eager."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return a == b
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if not a.is_floating_point():
-        return torch.equal(a, b)
+        return True
     return same_nonfinite(a, b) and finite_close(a, b)
 
 
@@ -190,7 +192,7 @@ def compiled_is_worse(out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor)
     if out.dtype != ref.dtype or out.shape != ref.shape:
         return True
     if not out.is_floating_point():
-        return not torch.equal(out, ref)
+        return False
     if not same_nonfinite(out, ref):  # worse when the reference has its NaN/Inf where fp64 does
         return same_nonfinite(ref, ref64.to(ref.dtype))
     m = 3.0 if out.dtype in _TOLERANCE else 2.0
