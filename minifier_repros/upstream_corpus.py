@@ -12,25 +12,40 @@ expects wrong under Inductor and which enn mechanism covers it, and has one test
     pytest minifier_repros/repro_upstream_<issue>_<slug>.py   enn must return eager's result
 
 Mechanisms: ``attention`` (enn keeps Inductor's attention rewrites off its compiles,
-compat.inductor_attention_rewrites_off), ``value_check`` (the guard compares sampled compiled
-calls with enn's eager copy), ``known_bad`` (compat.KNOWN_MISCOMPILES pins the node up front),
-``none`` (enn cannot see it; the script says what the user gets).
+compat.inductor_attention_rewrites_off), ``known_bad`` (compat.KNOWN_MISCOMPILES: the node is
+pinned to its eager kernel up front), ``nonfinite`` (the guard's NaN/Inf check), ``value_check``
+(the guard compares sampled compiled calls with a reference run), ``none`` (enn cannot see it;
+the script says what the user gets).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, Sequence
 
 import pytest
 import torch
 
-MECHANISMS = ("attention", "value_check", "known_bad", "none")
+from enn_backend import compat
 
-# The guard's value check is being built (issue #18); until it lands the scripts that rely on it
-# fail. Marked strict: once the check makes one pass, its test fails until this mark goes.
-awaiting_value_check = pytest.mark.xfail(
-    strict=True, reason="needs the guard's value check against enn's eager copy (issue #18)")
+MECHANISMS = ("attention", "known_bad", "nonfinite", "value_check", "none")
+
+
+def inductor_wrong(fixed_in: tuple[int, int] | None) -> bool:
+    """Is Inductor expected wrong on this torch (``fixed_in``: first release found right)?"""
+    return fixed_in is None or compat.TORCH_VERSION < fixed_in
+
+
+# Two mechanisms are not wired into enn yet (issue #18): the guard's value check, and the graph
+# compiler's pinning of compat.known_miscompiles. Until they are, the scripts that rely on them
+# fail where Inductor is wrong. Strict: once the mechanism makes one pass, the mark must go.
+def awaiting_value_check(fixed_in: tuple[int, int] | None = None) -> Any:
+    return pytest.mark.xfail(inductor_wrong(fixed_in), strict=True, raises=AssertionError,
+                             reason="needs the guard's value check (issue #18)")
+
+
+def awaiting_known_bad_pins(fixed_in: tuple[int, int] | None = None) -> Any:
+    return pytest.mark.xfail(inductor_wrong(fixed_in), strict=True, raises=AssertionError,
+                             reason="needs the graph compiler to pin compat.known_miscompiles (issue #18)")
 
 
 def _clone(x: Any) -> Any:
@@ -93,9 +108,9 @@ def check(fn: Callable[..., Any], make_inputs: Callable[[], Sequence[Any]], *, g
 
 
 def main(fn: Callable[..., Any], make_inputs: Callable[[], Sequence[Any]], *, grad: bool = False,
-         inductor_wrong: bool = True) -> int:
+         fixed_in: tuple[int, int] | None = None) -> int:
     """Script mode: one line for Inductor and one for enn; exit 1 while enn differs from eager."""
-    print(f"torch {torch.__version__}: Inductor is expected {'wrong' if inductor_wrong else 'right'} here")
+    print(f"torch {torch.__version__}: Inductor is expected {'wrong' if inductor_wrong(fixed_in) else 'right'} here")
     status = 0
     for backend in ("inductor", "enn"):
         diffs = check(fn, make_inputs, grad=grad, backend=backend)
