@@ -94,7 +94,8 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     warm = WarmStart(pristine, example_inputs, opts, unit, patches, decompositions)
     # the guard re-runs a faulty graph on its inputs: a guarded backward must not write into them
     kept = compat.saved_tensors_kept() if opts.guard != "off" else contextlib.nullcontext()
-    with compat.aot_cache_hits(warm.on_load), module_state(example_inputs) as state, kept:
+    with compat.aot_cache_hits(warm.on_load), module_state(example_inputs) as state, kept, \
+            compat.inductor_attention_rewrites_off():  # enn owns attention: see compat
         compiled = compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
                                      decompositions=decompositions)
     assumed = warm.assumed if warm.hit else {i: content_digest(t) for i, t in state.assumed.items()}
@@ -154,7 +155,9 @@ class BufferContentGuard:
 
 def _plain_inductor_or_eager(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str) -> Callable[..., Any]:
     try:
-        return compat.inductor_compile_fx(_fresh(gm), example_inputs, config_patches=compat.mode_config_patches(opts.mode))
+        with compat.inductor_attention_rewrites_off():
+            return compat.inductor_compile_fx(_fresh(gm), example_inputs,
+                                              config_patches=compat.mode_config_patches(opts.mode))
     except Exception as exc:  # noqa: BLE001
         report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=unit,
                               reason=f"plain Inductor failed too: {type(exc).__name__}: {str(exc).strip()[:300]}",

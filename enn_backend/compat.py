@@ -9,6 +9,7 @@ named predicate below, with its versions, the upstream reason and the test that 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 from typing import Any, Callable, Iterator
 
@@ -478,3 +479,196 @@ def joint_fwd_bwd(fn: Callable[..., Any], args: list) -> torch.fx.GraphModule:
     from torch._inductor.pattern_matcher import joint_fwd_bwd as trace
 
     return trace(fn, args)
+
+
+# --- Inductor's own attention rewrites (enn owns attention) -------------------------------
+# Inductor's joint-graph pass registers ~120 attention patterns (fx_passes/fuse_attention.py,
+# `_sfdp_pattern_*`, 27 on 2.11, 30 on 2.13 / 2.15) into `joint_graph.patterns`, each rewriting
+# to SDPA. Their checks miss semantics: pytorch/pytorch#196468 (open, 2.11 - 2.15): a softmax
+# over another axis than the keys' is rewritten as attention and returns values off by ~3.
+# enn's own matcher decides what is attention (passes/attention.py); Inductor's patterns are
+# kept off enn's compiles only. No Inductor config switches them off alone (checked 2.11 - 2.15;
+# `pattern_matcher=False` also drops every other joint / post-grad pattern), so for the length
+# of one enn compile, in the compiling thread, `joint_graph.patterns` applies a copy of itself
+# without them. An entry is Inductor's attention pattern when the check `register_replacement`
+# made for it closes over a `replace_fn` defined in fuse_attention (2.11 - 2.15). Covered by
+# tests/test_upstream_corpus.py and minifier_repros/repro_upstream_196468_*.py; it can go when
+# enn requires a torch whose attention patterns check the softmax axis (none yet).
+_ATTENTION_MODULE = "torch._inductor.fx_passes.fuse_attention"
+_attention_off: list[int] = []  # idents of the threads inside an enn compile (nesting repeats one)
+_attention_warned: list[bool] = []
+
+
+def _replace_fn(entry: Any) -> Any:
+    check = getattr(entry, "extra_check", None)
+    names = getattr(getattr(check, "__code__", None), "co_freevars", ())
+    if "replace_fn" not in names or check.__closure__ is None:
+        return None
+    return check.__closure__[names.index("replace_fn")].cell_contents
+
+
+def is_inductor_attention_rewrite(entry: Any) -> bool:
+    """Is this pattern-matcher entry one of Inductor's attention rewrites (fuse_attention)?"""
+    return getattr(_replace_fn(entry), "__module__", None) == _ATTENTION_MODULE
+
+
+def _joint_patterns() -> Any:
+    from torch._inductor.fx_passes import joint_graph
+
+    return joint_graph.patterns
+
+
+def inductor_attention_rewrites(registry: Any = None) -> int:
+    """How many of Inductor's attention rewrites ``registry`` (the joint-graph patterns) holds."""
+    registry = _joint_patterns() if registry is None else registry
+    return sum(is_inductor_attention_rewrite(e) for entries in registry.patterns.values() for e in entries)
+
+
+def _without_attention(registry: Any) -> Any:
+    """A copy of the pattern pass ``registry`` without Inductor's attention rewrites."""
+    from collections import defaultdict
+
+    kept = type(registry).__new__(type(registry))
+    kept.__dict__.update({k: v for k, v in registry.__dict__.items() if k != "apply"})
+    kept.patterns = defaultdict(list)
+    for key, entries in registry.patterns.items():
+        keep = [e for e in entries if not is_inductor_attention_rewrite(e)]
+        if keep:
+            kept.patterns[key] = keep
+    return kept
+
+
+def _warn_if_unrecognized(registry: Any) -> None:
+    import sys
+
+    info = getattr(getattr(sys.modules.get(_ATTENTION_MODULE), "_sfdp_init", None), "cache_info", None)
+    registered = info is not None and info().currsize > 0  # Inductor has registered its patterns
+    if registered and not _attention_warned and inductor_attention_rewrites(registry) == 0:
+        _attention_warned.append(True)
+        import logging
+
+        logging.getLogger("enn_backend").warning(
+            "enn: torch %s registered Inductor's attention patterns in a form enn does not recognize; "
+            "they may rewrite graphs enn's attention matcher declined (pytorch/pytorch#196468)",
+            torch.__version__)
+
+
+def _apply(gm: Any) -> int:
+    import threading
+
+    registry = _joint_patterns()
+    if threading.get_ident() not in _attention_off:
+        return type(registry).apply(registry, gm)  # another thread's compile (plain Inductor)
+    _warn_if_unrecognized(registry)
+    return _without_attention(registry).apply(gm)
+
+
+@contextlib.contextmanager
+def inductor_attention_rewrites_off() -> Iterator[None]:
+    """Within this context, compiles in this thread run Inductor's joint-graph patterns
+    without its attention rewrites; other threads' compiles still see them all."""
+    import threading
+
+    registry = _joint_patterns()
+    registry.apply = _apply  # an instance attribute over the class's method, while any enn compile runs
+    _attention_off.append(threading.get_ident())
+    try:
+        yield
+    finally:
+        _attention_off.remove(threading.get_ident())
+        if not _attention_off:
+            registry.__dict__.pop("apply", None)
+
+
+# --- Known miscompiles: ATen nodes Inductor computes wrong, pinned to eager up front ------
+# Each entry: a public upstream issue where Inductor on CPU returns finite wrong values or a
+# wrong dtype for one ATen node of the graph enn compiles (post AOT Autograd), while the eager
+# kernel is right. Checked on torch 2.11, 2.13, 2.14 and 2.15 (CPU): `fixed_in` is the first
+# release found right (None: wrong on all four; the issue is open). Each entry names the repro
+# in minifier_repros/ that covers it; it goes once enn requires a torch >= its `fixed_in`.
+# The graph compiler pins what `known_miscompiles` lists before it compiles (see README).
+
+
+def _val(x: Any) -> Any:
+    return x.meta.get("val") if isinstance(x, torch.fx.Node) else x
+
+
+def _dtype(x: Any) -> Any:
+    return getattr(_val(x), "dtype", None)
+
+
+def _narrow_int(dtype: Any) -> bool:
+    return dtype in (torch.int8, torch.uint8, torch.int16, torch.int32)
+
+
+def _floor_division(n: torch.fx.Node) -> bool:
+    floor = n.target is not torch.ops.aten.div.Tensor_mode or n.kwargs.get("rounding_mode") == "floor"
+    return floor and bool(getattr(_dtype(n), "is_floating_point", False))
+
+
+def _flattening_argreduce(n: torch.fx.Node) -> bool:
+    dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
+    return dim is None and getattr(_val(n.args[0]), "ndim", 0) >= 2
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownMiscompile:
+    issue: int  # pytorch/pytorch issue number
+    ops: tuple[str, ...]  # ATen overloads (str(OpOverload)) the entry may pin
+    applies: Callable[[torch.fx.Node], bool]  # does this node of such an op hit the bug
+    what: str  # what Inductor computes instead of eager's result
+    test: str  # the repro in minifier_repros/ that covers it
+    fixed_in: tuple[int, int] | None = None  # first torch release found right; None: open
+
+
+KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
+    KnownMiscompile(
+        197895, ("aten.div.Tensor_mode", "aten.floor_divide.default"), _floor_division,
+        "floating floor division is floor(a / b), one too high where the exact quotient is just "
+        "below an integer (1.0 // 0.1 gives 10, eager 9)",
+        "repro_upstream_197895_float_floor_division.py"),
+    KnownMiscompile(
+        198057, ("aten.remainder.Tensor", "aten.remainder.Scalar"),
+        lambda n: bool(getattr(_dtype(n), "is_floating_point", False)),
+        "the vectorized floating remainder is a - floor(a / b) * b: 0 for large quotients "
+        "(1e20 % 3 gives 0, eager 2), NaN for an infinite divisor",
+        "repro_upstream_198057_float_remainder.py"),
+    KnownMiscompile(
+        198081, ("aten.any.default", "aten.any.dim", "aten.any.dims"),
+        lambda n: _dtype(n.args[0]) == torch.uint8,
+        "any() of a uint8 tensor returns bool, not uint8: arithmetic on it no longer wraps",
+        "repro_upstream_198081_any_uint8_dtype.py"),
+    KnownMiscompile(
+        197091, ("aten.ldexp.Tensor",),
+        lambda n: _dtype(n.args[0]) != _dtype(n),
+        "ldexp's result takes the mantissa's dtype, not the promoted one (fp16 x fp32 gives fp16)",
+        "repro_upstream_197091_ldexp_dtype.py"),
+    KnownMiscompile(
+        191308, ("aten.bmm.default",), lambda n: _narrow_int(_dtype(n)),
+        "an integer bmm with a size-1 row decomposes to a sum that returns int64, not the input's dtype",
+        "repro_upstream_191308_int_bmm_dtype.py", fixed_in=(2, 15)),
+    KnownMiscompile(
+        193751, ("aten.argmax.default", "aten.argmin.default"), _flattening_argreduce,
+        "argmax / argmin over all dims of a fused producer laid out channels-last returns the "
+        "physical, not the logical, index",
+        "repro_upstream_193751_argmax_channels_last.py", fixed_in=(2, 15)),
+)
+
+
+def known_miscompiles(gm: torch.fx.GraphModule, version: tuple[int, int] | None = None) -> list[tuple[str, str]]:
+    """``(node name, reason)`` for each node of ``gm`` (an ATen graph with ``meta['val']``,
+    as AOT Autograd hands it to Inductor) that KNOWN_MISCOMPILES says Inductor computes wrong
+    on torch ``version`` (default: this one). The reason names the upstream issue."""
+    version = TORCH_VERSION if version is None else version
+    live = [e for e in KNOWN_MISCOMPILES if e.fixed_in is None or version < e.fixed_in]
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        for e in live:
+            if str(n.target) in e.ops and e.applies(n):
+                until = f"fixed in {e.fixed_in[0]}.{e.fixed_in[1]}" if e.fixed_in else "open"
+                found.append((n.name, f"Inductor miscompiles {n.target} on torch {version[0]}.{version[1]}: "
+                                      f"{e.what} (pytorch/pytorch#{e.issue}, {until})"))
+                break
+    return found
