@@ -25,7 +25,7 @@ def test_unknown_option_names_valid_ones():
 
 
 def test_bad_values_are_clear_errors():
-    with pytest.raises(OptionsError, match="guard.*off, exceptions, nonfinite, strict"):
+    with pytest.raises(OptionsError, match="guard.*off, exceptions, nonfinite, values, strict"):
         Options.from_sources({"guard": "sometimes"}, environ={})
     with pytest.raises(OptionsError, match="ENN_GUARD_EVERY must be an integer"):
         Options.from_sources({}, environ={"ENN_GUARD_EVERY": "often"})
