@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import enn_backend
-from enn_backend.attention_policy import AttentionProblem, choose
+from enn_backend.passes.attention.policy import AttentionProblem, choose
 from enn_backend.custom_ops import attention as A
 
 B, H, T, D = 2, 4, 8, 8
@@ -456,7 +456,7 @@ def test_policy_sends_saturating_biases_to_the_memory_efficient_kernel_except_in
     """A finfo.min bias can mask a whole row. In bf16 / fp32 the kernel gets SATURATED_FLOOR
     there and gives eager's uniform row; fp16 cannot hold a bias that absorbs the scores, so
     there the policy leaves such attention to Inductor (a -10000 mask cannot saturate)."""
-    from enn_backend.attention_policy import check_efficient
+    from enn_backend.passes.attention.kernels.sdpa import check_efficient
 
     base = dict(device="cuda", capability=(9, 0), head_dim=64, head_dim_v=64, tq=512, tk=512,
                 heads_q=12, heads_kv=12, causal=False, window=0, has_mask=False, has_bias=True, bias_grad=False,

@@ -16,7 +16,7 @@ import torch
 
 import enn_backend
 from enn_backend.bench import zoo
-from enn_backend.passes import attention as A
+from enn_backend.passes.attention import masks as A
 
 MODELS = ("gpt2_naive", "llama", "bert", "vit")
 FLEX_MODELS = ("alibi", "sliding")  # ALiBi slopes / sliding window: FlexAttention in the graph (CUDA)
@@ -105,23 +105,23 @@ def test_finite_bias_provenance():
     inv.meta["val"] = torch.ones(2, 8)
     hf = g.call_function(torch.ops.aten.mul.Tensor, (inv, torch.finfo(torch.float32).min))
     hf.meta["val"] = torch.ones(2, 8)
-    assert A._finite_bias(hf)  # HF's (1 - mask) * finfo.min
-    assert A._may_saturate(hf)  # ... which can mask a whole row at finfo.min
+    assert A.finite_bias(hf)  # HF's (1 - mask) * finfo.min
+    assert A.may_saturate(hf)  # ... which can mask a whole row at finfo.min
     old_style = g.call_function(torch.ops.aten.mul.Tensor, (inv, -10000.0))
     old_style.meta["val"] = torch.ones(2, 8)
-    assert A._finite_bias(old_style) and not A._may_saturate(old_style)
+    assert A.finite_bias(old_style) and not A.may_saturate(old_style)
     inf = g.call_function(torch.ops.aten.mul.Tensor, (inv, float("-inf")))
     inf.meta["val"] = torch.ones(2, 8)
-    assert not A._finite_bias(inf)
+    assert not A.finite_bias(inf)
     learned = g.placeholder("bias")
     learned.meta["val"] = torch.ones(2, 8)
-    assert not A._finite_bias(learned)  # a user tensor may hold -inf
+    assert not A.finite_bias(learned)  # a user tensor may hold -inf
     scaled = g.call_function(torch.ops.aten.mul.Tensor, (learned, 2.0))
     scaled.meta["val"] = torch.ones(2, 8)
-    assert not A._finite_bias(scaled)  # a finite scale of an unknown tensor is still unknown
+    assert not A.finite_bias(scaled)  # a finite scale of an unknown tensor is still unknown
     summed = g.call_function(torch.ops.aten.add.Tensor, (hf, hf))
     summed.meta["val"] = torch.ones(2, 8)
-    assert not A._finite_bias(summed)  # finfo.min + finfo.min overflows to -inf
+    assert not A.finite_bias(summed)  # finfo.min + finfo.min overflows to -inf
 
 
 # ----------------------------------------------------------------------------- FlexAttention
@@ -146,7 +146,7 @@ def test_flex_training_fragment_matches_eager_math():
     reference implementation) on CPU: values and q/k/v gradients equal hand-written ALiBi."""
     import math
 
-    from enn_backend.passes.attention_flex import _fragment, block_mask
+    from enn_backend.passes.attention.kernels.flex import _fragment, block_mask
 
     torch.manual_seed(0)
     b, h, t, d = 1, 2, 64, 16
@@ -155,7 +155,7 @@ def test_flex_training_fragment_matches_eager_math():
     g = torch.randn(b, h, t, d)
     parts = block_mask(True, 16, t, t, q.device).as_tuple()
     frag = _fragment(q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_(), slopes,
-                     parts, 1 / math.sqrt(d), True, 16, training=True)
+                     parts, 1 / math.sqrt(d), training=True)
     for n in frag.graph.nodes:  # joint_fwd_bwd renames placeholders: call them by position
         if n.op == "placeholder":
             n.target = n.name
@@ -213,9 +213,10 @@ def test_closed_form_block_mask_equals_create_block_mask(t, causal, window):
     from every (query, key) position: the same partial and full blocks, in the same order."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from enn_backend.passes.attention_flex import _mask_mod, block_mask
+    from enn_backend.custom_ops.attention import band_mask_mod
+    from enn_backend.passes.attention.kernels.flex import block_mask
 
-    want = [x for x in create_block_mask(_mask_mod(causal, window), None, None, t, t, device="cpu").as_tuple()
+    want = [x for x in create_block_mask(band_mask_mod(causal, window), None, None, t, t, device="cpu").as_tuple()
             if isinstance(x, torch.Tensor)][:4]
     got = [x for x in block_mask(causal, window, t, t, torch.device("cpu")).as_tuple()
            if isinstance(x, torch.Tensor)][:4]
