@@ -28,7 +28,7 @@ import torch.fx as fx
 from enn_backend import compat
 from enn_backend.decompositions import decomposition_table
 from enn_backend.options import Options
-from enn_backend.passes import PASSES_BY_NAME, EnnPass, PassManager, module_state
+from enn_backend.passes import PASS_ORDER, PASSES_BY_NAME, EnnPass, PassManager, module_state
 from enn_backend.report import GraphRecord, report
 
 # Per dtype (atol, rtol) for comparisons with eager.
@@ -138,7 +138,7 @@ class _Recording(PassManager):
         self.runs.append(StageRun(self.stage, before, copy.deepcopy(graph), dict(self.matches), id(graph)))
 
 
-def run_passes(fn: Callable[..., Any], inputs: Sequence[Any], passes: Iterable[str] = ("attention",), *,
+def run_passes(fn: Callable[..., Any], inputs: Sequence[Any], passes: Sequence[str] = ("attention",), *,
                training: bool = True, options: Optional[dict] = None, dynamic: bool = False) -> PassRun:
     """Compile ``fn`` with only the enn passes named in ``passes``, run it once on ``inputs``.
 
@@ -148,7 +148,7 @@ def run_passes(fn: Callable[..., Any], inputs: Sequence[Any], passes: Iterable[s
     unknown = [p for p in passes if p not in PASSES_BY_NAME]
     if unknown:
         raise ValueError(f"unknown enn pass(es) {unknown}; valid: {', '.join(PASSES_BY_NAME)}")
-    classes = [PASSES_BY_NAME[p] for p in passes]
+    classes = [cls for cls in PASS_ORDER if cls.name in passes]  # in enn's order, whatever the order named
     if training and not _grad_leaves(fn, inputs):
         raise ValueError("training=True needs an input (or a parameter of the module) that requires grad")
     opts = Options.from_sources(options)

@@ -38,11 +38,6 @@ PASS_ORDER: tuple[type[EnnPass], ...] = (
 PASSES_BY_NAME: dict[str, type[EnnPass]] = {cls.name: cls for cls in PASS_ORDER}
 
 
-def registered_passes() -> list[type[EnnPass]]:
-    """All enn passes in run order."""
-    return list(PASS_ORDER)
-
-
 class PassManager(manager.PassManager):
     """:class:`manager.PassManager` running :data:`PASS_ORDER` unless given other passes."""
 
@@ -52,4 +47,4 @@ class PassManager(manager.PassManager):
 
 __all__ = ["PASS_ORDER", "PASSES_BY_NAME", "AttentionPass", "EnnPass", "EpiloguePass", "FlexConstantsPass",
            "Fp32TailPass", "ModuleState", "PassContext", "PassFailed", "PassManager", "PrecisionPass",
-           "current_module_state", "module_state", "registered_passes", "source_hash"]
+           "current_module_state", "module_state", "source_hash"]
