@@ -157,6 +157,16 @@ def three_d_causal(q, k, v):
     return torch.bmm((torch.bmm(q, k.transpose(1, 2)) * 0.3 + mask).softmax(-1), v)
 
 
+def heads_of_hidden(q, k, v):
+    """BERT's layout: q / k / v ``[B, T, H * D]`` split into heads by view + permute, the context
+    merged back the same way; the key enters the scores transposed. The gradients leave the fused
+    kernel in another layout than the unfused graph's, and reach the inputs through views."""
+    b, t, _ = q.shape
+    heads = lambda x: x.view(b, t, H, -1).permute(0, 2, 1, 3)  # noqa: E731
+    att = (heads(q) @ heads(k).transpose(-1, -2) / math.sqrt(D)).softmax(-1)
+    return (att @ heads(v)).permute(0, 2, 1, 3).contiguous().view(b, t, -1)
+
+
 def softmax_over_queries(q, k, v):
     # (without the mask, Inductor's own fuse_attention rewrites this to SDPA on 2.13 and gets it
     # wrong: it does not check the softmax axis)

@@ -161,13 +161,7 @@ def run_passes(fn: Callable[..., Any], inputs: Sequence[Any], passes: Sequence[s
     def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable[[list], Any]:
         if post_grad is not None:
             post_grad(gm.graph)
-        # A view downstream of a replaced node may no longer be a view of its input's new layout
-        # (a fused backward's contiguous gradient, permuted and viewed): Inductor lowers such a
-        # view as a copy, so here it runs as reshape.
-        for n in gm.graph.nodes:
-            if n.target is torch.ops.aten.view.default:
-                n.target = torch.ops.aten.reshape.default
-        gm.recompile()
+        gm.recompile()  # the graph as enn hands it to Inductor runs eagerly: it must be valid ATen
 
         def run(args: list) -> list:
             inputs = list(args)

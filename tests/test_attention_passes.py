@@ -13,7 +13,7 @@ import enn_backend
 from attention_cases import (ALIBI, BACKEND, BIAS, CAUSAL, CPU_FLASH, CPU_FLASH_BWD, MASK, MASKED_ROWS, WINDOW,
                              B, H, T, D, alibi_causal, aten, bool_padding_neg_inf, causal_arange,
                              causal_tril, causal_triu_where_min, choices, enn, exp_not_softmax, finfo_min_padding,
-                             fused, gqa_repeat_interleave, int_padding, intermediate_reused, learned_bias,
+                             fused, gqa_repeat_interleave, heads_of_hidden, int_padding, intermediate_reused, learned_bias,
                              padding_bias, qkv, scale_q_div, sliding_window, softmax_over_dim1_3d,
                              softmax_over_queries, the, three_d_causal, untouched)
 from enn_backend.custom_ops.attention import SATURATED_FLOOR
@@ -202,6 +202,18 @@ def test_three_d_attention():
     """``bmm`` on [B, T, D] (no head axis): an additive causal mask becomes the causal flag."""
     run = fused(three_d_causal, [torch.randn(3, T, D) for _ in range(3)], train=False)
     assert the(run.after, CPU_FLASH).args[4] is True
+
+
+@pytest.mark.parametrize("order", ["flash", "explicit"])
+def test_gradients_in_the_kernels_layout_reach_the_inputs_through_valid_views(order, monkeypatch):
+    """The fused backward's contiguous dk, permuted back to [B, T, H, D], cannot be viewed as
+    [B, T, H * D] as the unfused graph's could: the pass turns that view into a reshape, so the
+    graph stays valid ATen (the guard's eager reference and pinned nodes run it as written)."""
+    monkeypatch.setenv("ENN_ATTENTION_ORDER", order)
+    g = torch.Generator().manual_seed(0)
+    run = fused(heads_of_hidden, [torch.randn(B, T, H * D, generator=g, requires_grad=True) for _ in range(3)])
+    if order == "explicit":  # CPU flash returns each gradient in its input's layout: nothing to reshape
+        assert count_ops(run.stages[0].after, aten.reshape) > count_ops(run.stages[0].before, aten.reshape)
 
 
 def test_three_d_attention_whose_gradients_cannot_be_told_apart_is_not_fused():

@@ -175,3 +175,24 @@ def test_values_that_only_the_reference_gets_wrong_blame_nobody():
     rep = enn_backend.report().to_dict()
     assert rep["fallbacks"] == [] and rep["graphs"][0]["pinned"] == []
     assert rep["graphs"][0]["counters"]["value_reference_outlier"] == 1  # they did differ
+
+
+def test_a_fused_backward_whose_gradients_are_viewed_is_rerun_and_pinned():
+    """BERT's layout: the fused backward's gradients reach q / k / v through permutes and views.
+    A NaN there is re-run eagerly on the graph as enn compiled it (valid ATen), the kernel is
+    pinned, and the step's gradients equal eager's."""
+    from attention_cases import B, D, H, T, heads_of_hidden
+
+    g = torch.Generator().manual_seed(0)
+    x = [torch.randn(B, T, H * D, generator=g, requires_grad=True) for _ in range(3)]
+    opts = {**ISOLATED, "attention": True, "attention_backend": "explicit",
+            "fault_inject": "enn.attention_backward:nan:bwd"}
+    heads_of_hidden(*x).square().sum().backward()
+    expected = [t.grad for t in x]
+    for t in x:
+        t.grad = None
+    torch.compile(heads_of_hidden, backend="enn", options=opts)(*x).square().sum().backward()
+    for got, want in zip((t.grad for t in x), expected):
+        torch.testing.assert_close(got, want)
+    (fb,) = enn_backend.report().to_dict()["fallbacks"]
+    assert fb["kind"] == "nonfinite" and fb["phase"] == "backward", fb

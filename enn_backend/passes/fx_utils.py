@@ -100,3 +100,36 @@ def insert(graph: fx.Graph, target: Any, args: tuple, kwargs: Optional[dict] = N
     refresh(n, mode)
     n.meta.update(meta or {})
     return n
+
+
+def _layout(v: Any) -> Any:
+    return (tuple(v.shape), v.stride()) if isinstance(v, torch.Tensor) else None
+
+
+def follow_layout(n: fx.Node, mode: Any) -> list[fx.Node]:
+    """Recompute the values downstream of ``n`` after its value changed layout (a fused kernel's
+    contiguous gradient in place of a transposed one); return the views made reshapes.
+
+    A ``view`` of the new layout may be impossible (a permuted contiguous gradient viewed as
+    ``[B, T, H * D]``). Inductor lowers any view as a reshape, but eager -- the guard's reference,
+    a pinned node's neighbours -- refuses it, so such a view becomes ``aten.reshape``: the same
+    values, a copy where a view cannot be had. The walk stops where a value's layout is as before.
+    """
+    reshaped: list[fx.Node] = []
+    stack = list(n.users)
+    while stack:
+        u = stack.pop()
+        old = val(u)
+        if u.op != "call_function" or not isinstance(old, torch.Tensor):
+            continue
+        try:
+            refresh(u, mode)
+        except (RuntimeError, ValueError):  # eager raises the one, fake tensors the other
+            if u.target not in (aten.view.default, aten._unsafe_view.default):
+                raise
+            u.target = aten.reshape.default
+            refresh(u, mode)
+            reshaped.append(u)
+        if _layout(val(u)) != _layout(old):
+            stack.extend(u.users)
+    return reshaped

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..fx_utils import is_call, shape, tensor_dtype
+from ..fx_utils import follow_layout, is_call, shape, tensor_dtype
 from .emitter import Emitter, Operands
 from .plan import Plan
 
@@ -61,6 +61,7 @@ def rewrite(graph: fx.Graph, plan: Plan, mode: object) -> None:
     if m.three_d:
         out = em.call(aten.squeeze.dim, (out, 1))
     m.out.replace_all_uses_with(out)
+    follow_layout(out, mode)
     if not regions.grads:
         return
     parts = kernel.backward(grad_in, first_bwd)
@@ -68,4 +69,6 @@ def rewrite(graph: fx.Graph, plan: Plan, mode: object) -> None:
         g = parts[min(idx, 3)]
         if m.three_d and idx < 3:
             g = em.call(aten.squeeze.dim, (g, 1), before=first_bwd)
-        exit_node.replace_all_uses_with(em.cast(g, tensor_dtype(exit_node), first_bwd))
+        g = em.cast(g, tensor_dtype(exit_node), first_bwd)
+        exit_node.replace_all_uses_with(g)
+        follow_layout(g, mode)
