@@ -19,7 +19,7 @@ from torch._dynamo.utils import compile_times  # torch's own per-phase timers (n
 
 import enn_backend  # noqa: F401  (registers backend="enn")
 from enn_backend import compat
-from enn_backend.bench import zoo
+from enn_backend import models
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
         compat.clear_inductor_memory_caches()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, backend)
         os.environ["TRITON_CACHE_DIR"] = os.path.join(root, backend, "triton")
-        model, make_inputs, loss_fn = zoo.build(name, "gpu-real", device="cuda", seed=0)
+        model, make_inputs, loss_fn = models.build(name, "gpu-real", device="cuda", seed=0)
         model.train(mode == "train")
         batch = make_inputs(0)
         fn = torch.compile(model, backend=backend)

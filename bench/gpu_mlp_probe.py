@@ -20,7 +20,7 @@ import torch
 
 import enn_backend  # noqa: F401  (registers backend="enn")
 from enn_backend import compat
-from enn_backend.bench import zoo
+from enn_backend import models
 
 
 def _gelu_configs() -> list[str]:
@@ -41,7 +41,7 @@ def main() -> None:
         return
     import triton.testing
 
-    spec = zoo.MODELS["mlp"]
+    spec = models.MODELS["mlp"]
     entry = spec.builder(torch.device("cuda"), **spec.sizes["gpu-real"])
     model = entry.model.eval()
     batch = entry.make_inputs(0)

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from enn_backend.bench import zoo
+from enn_backend import models
 
 VARIANTS = {
     "inductor": dict(backend="inductor"),
@@ -47,7 +47,7 @@ def main() -> None:
     gpu = dev.type == "cuda"
     size = "gpu-real" if gpu else "cpu-small"
     amp = torch.bfloat16 if gpu else None
-    model, make_inputs, loss_fn = zoo.build(args.model, size, device=dev)
+    model, make_inputs, loss_fn = models.build(args.model, size, device=dev)
     batch = make_inputs()
 
     steps = {}

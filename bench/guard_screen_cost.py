@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from enn_backend.bench import zoo
+from enn_backend import models
 from enn_backend.guard import runtime as R
 from enn_backend.guard.screen import nonfinite_outputs, outputs
 
@@ -26,7 +26,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     dev = torch.device(args.device)
-    model, make_inputs, loss_fn = zoo.build(args.model, "gpu-real" if dev.type == "cuda" else "cpu-small", device=dev)
+    model, make_inputs, loss_fn = models.build(args.model, "gpu-real" if dev.type == "cuda" else "cpu-small", device=dev)
     batch = make_inputs()
     stats: dict[str, list[float]] = {}
     call = R.GuardedGraph.__call__

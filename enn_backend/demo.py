@@ -21,7 +21,7 @@ import torch
 import enn_backend
 
 from .bench.runner import steady_state_warmup
-from .bench.zoo import gpt_small
+from .models import gpt_small
 
 
 def _sync(device: torch.device) -> None:

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import enn_backend
-from enn_backend.bench import runner, zoo
+from enn_backend import models
+from enn_backend.bench import runner
 from enn_backend.guard.runtime import GuardedGraph
 
 OPTIONS = {"attention_backend": "flash", "persist": False}
@@ -35,7 +36,7 @@ def _compile_and_step(cache, options=OPTIONS, model=None, device="cpu"):
     """Fresh Dynamo and in-memory caches, then one training step compiled from ``cache``."""
     torch.compiler.reset()
     enn_backend.reset()
-    entry = zoo.build("gpt2_naive", "cpu-small", n_layer=1, device=device)
+    entry = models.build("gpt2_naive", "cpu-small", n_layer=1, device=device)
     model = model or copy.deepcopy(entry.model)
     batch = entry.make_inputs(0)
     with runner.cache_dir(cache):

@@ -1,4 +1,4 @@
-"""The benchmark suite: zoo models, the accuracy rule, and one real end-to-end run."""
+"""The benchmark suite: the accuracy rule, the runner, the presets and one real end-to-end run."""
 
 from __future__ import annotations
 
@@ -10,59 +10,8 @@ import sys
 import pytest
 import torch
 
-from enn_backend.bench import accuracy, cli, plots, runner, zoo
-
-
-# ------------------------------------------------------------------ zoo
-@pytest.mark.parametrize("name", zoo.names())
-def test_zoo_model_builds_trains_and_is_deterministic(name):
-    model, make_inputs, loss_fn = zoo.build(name, "cpu-small")
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    batch = make_inputs()
-    out = model(*batch.args)
-    loss = loss_fn(out, batch.target)
-    assert loss.ndim == 0 and torch.isfinite(loss)
-    loss.backward()
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
-    # same seed -> same weights and inputs; another seed -> other inputs
-    model2, make2, _ = zoo.build(name, "cpu-small")
-    assert all(torch.equal(initial[k], v) for k, v in model2.state_dict().items())
-    assert all(torch.equal(a, b) for a, b in zip(batch.args, make2().args))
-    assert any(not torch.equal(a, b) for a, b in zip(batch.args, make_inputs(1).args))
-    with torch.no_grad():  # (training mode: BatchNorm uses batch statistics, so this holds for convnet too)
-        torch.testing.assert_close(model2(*batch.args), out.detach())
-
-
-def test_zoo_gpu_real_configs_are_real_sizes():
-    assert zoo.config("gpt2_sdpa", "gpu-real") == dict(batch=8, seq=1024, vocab=50304, d_model=768, n_head=12, n_layer=6)
-    for name in zoo.names():
-        small, real = zoo.config(name, "cpu-small"), zoo.config(name, "gpu-real")
-        assert small.keys() == real.keys()
-    with pytest.raises(KeyError):
-        zoo.config("nope")
-
-
-def test_gpt_small_for_the_demo():
-    model, make_inputs, loss_fn = zoo.gpt_small()
-    assert sum(p.numel() for p in model.parameters()) < 500_000
-    sdpa, _, _ = zoo.gpt_small(attention="sdpa")
-    batch = make_inputs()
-    with torch.no_grad():  # same weights, two attention spellings, same function
-        torch.testing.assert_close(sdpa(*batch.args), model(*batch.args), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError):
-        zoo.gpt_small(attention="flash")
-
-
-def test_bert_padding_mask_is_respected():
-    model, make_inputs, _ = zoo.build("bert", "cpu-small")
-    model.eval()
-    ids, mask = make_inputs().args
-    row = int((mask.sum(1) < mask.size(1)).nonzero()[0])  # a padded sequence
-    ids2 = ids.clone()
-    ids2[row, mask[row] == 0] = 7  # change only padded tokens
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids2, mask)[row], model(ids, mask)[row])
+from enn_backend import models
+from enn_backend.bench import accuracy, cli, plots, runner
 
 
 # ------------------------------------------------------------------ accuracy
@@ -254,11 +203,11 @@ def test_cli_rejects_unknown_names():
     cfg = cli.build_config(cli.parser().parse_args(["--quick", "--models", "mlp,bert", "--autotune"]), ["--quick"])
     assert cfg.models == ["mlp", "bert"] and "inductor-max-autotune" in cfg.backends and cfg.device == "cpu"
     gpu = cli.build_config(cli.parser().parse_args(["--preset", "gpu"]), [])
-    assert gpu.dtypes == ["bf16"] and gpu.size == "gpu-real" and set(gpu.models) == set(zoo.names())
+    assert gpu.dtypes == ["bf16"] and gpu.size == "gpu-real" and set(gpu.models) == set(models.names())
 
 
 def test_inference_and_training_steps_and_paired_ratio():
-    model, make_inputs, loss_fn = zoo.build("bert", "cpu-small")
+    model, make_inputs, loss_fn = models.build("bert", "cpu-small")
     batch = make_inputs()
     model.eval()
     outs = runner._result_step(model, model, batch, loss_fn, "infer", runner._autocast("cpu", "fp32"))

@@ -1,6 +1,5 @@
 """enn's benchmark and accuracy suite.
 
-- :mod:`.zoo`       models written in plain PyTorch the way people write them
 - :mod:`.accuracy`  compiled vs eager vs an fp64 reference (the RMSE-ratio method)
 - :mod:`.runner`    eager / inductor / enn side by side: step time, compile time, memory, accuracy
 - :mod:`.plots`     Markdown tables and PNG plots of a result JSON

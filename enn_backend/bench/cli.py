@@ -18,7 +18,7 @@ import shlex
 import sys
 from typing import Any
 
-from . import zoo
+from .. import models
 
 # The quick CPU preset: the models whose patterns enn targets (hand-written attention
 # with a causal / padding / additive-bias mask, GEMM + bias + GELU), at the tiny size.
@@ -32,7 +32,7 @@ GPU_MODELS = ["gpt2_sdpa", "gpt2_naive", "llama", "bert", "alibi", "t5", "slidin
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(device="cpu", size="cpu-small", models=QUICK_MODELS, modes=["train", "infer"], dtypes=["fp32"],
                   backends=["eager", "inductor", "enn"], rounds=9, sample_s=0.03, budget_s=230.0, threads=1),
-    "cpu": dict(device="cpu", size="cpu-small", models=zoo.names(), modes=["train", "infer"], dtypes=["fp32", "bf16"],
+    "cpu": dict(device="cpu", size="cpu-small", models=models.names(), modes=["train", "infer"], dtypes=["fp32", "bf16"],
                 backends=["eager", "inductor", "enn"], rounds=7, sample_s=0.1, budget_s=None),
     # gpu-real sizes use 2 layers (6 for gpt2_sdpa, the ANCHORS stack) so that 20 workloads x
     # 2 cold compiles fit in 8 minutes; no warm-compile pass (add --warm-compile, or run a
@@ -51,12 +51,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the quick CPU preset (same as --preset quick)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named preset (default: quick)")
-    p.add_argument("--models", type=_csv, help=f"comma-separated zoo models (known: {', '.join(zoo.names())})")
+    p.add_argument("--models", type=_csv, help=f"comma-separated zoo models (known: {', '.join(models.names())})")
     p.add_argument("--modes", type=_csv, help="train,infer")
     p.add_argument("--dtypes", type=_csv, help="fp32,bf16 (bf16 = autocast over fp32 parameters)")
     p.add_argument("--backends", type=_csv, help="eager,inductor,enn[,inductor-max-autotune,enn-max-autotune]")
     p.add_argument("--autotune", action="store_true", help="also run inductor (and enn) with mode=max-autotune-no-cudagraphs")
-    p.add_argument("--size", choices=zoo.SIZES, help="model size (default from the preset)")
+    p.add_argument("--size", choices=models.SIZES, help="model size (default from the preset)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default from the preset)")
     p.add_argument("--rounds", type=int, help="interleaved timing rounds")
     p.add_argument("--threads", type=int, help="CPU: torch.set_num_threads for the run (quick preset: 1)")
@@ -87,7 +87,7 @@ def build_config(args: argparse.Namespace, argv: list[str]) -> Any:
     if args.autotune:
         base["backends"] = list(base["backends"]) + [b for b in ("inductor-max-autotune", "enn-max-autotune")
                                                       if b not in base["backends"]]
-    for key, known in (("models", zoo.names()), ("modes", MODES), ("dtypes", list(DTYPES)), ("backends", list(BACKENDS))):
+    for key, known in (("models", models.names()), ("modes", MODES), ("dtypes", list(DTYPES)), ("backends", list(BACKENDS))):
         bad = [x for x in base[key] if x not in known]
         if bad:
             raise SystemExit(f"enn bench: unknown {key} {', '.join(bad)}; known: {', '.join(known)}")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import plots
 
     if args.list:
-        for name, spec in zoo.MODELS.items():
+        for name, spec in models.MODELS.items():
             print(f"{name:<11} {spec.description}")
         print()
         for name, p in PRESETS.items():

@@ -50,7 +50,8 @@ import torch
 import enn_backend
 
 from .. import compat
-from . import accuracy, zoo
+from .. import models
+from . import accuracy
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("train", "infer")
@@ -114,12 +115,12 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _to_fp64(batch: zoo.Batch) -> zoo.Batch:
+def _to_fp64(batch: models.Batch) -> models.Batch:
     args = tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in batch.args)
-    return zoo.Batch(args, batch.target)
+    return models.Batch(args, batch.target)
 
 
-def _result_step(fn: Callable, module: torch.nn.Module, batch: zoo.Batch, loss_fn: Callable, mode: str,
+def _result_step(fn: Callable, module: torch.nn.Module, batch: models.Batch, loss_fn: Callable, mode: str,
                  autocast: Callable[[], Any]) -> list[torch.Tensor]:
     """One accuracy sample: outputs (inference) or loss + every gradient (training)."""
     if mode == "infer":
@@ -142,7 +143,7 @@ def steady_state_warmup() -> int:
     return Options.from_sources(None, None).guard_warmup + 2
 
 
-def _timed_step(fn: Callable, module: torch.nn.Module, opt: torch.optim.Optimizer | None, batch: zoo.Batch,
+def _timed_step(fn: Callable, module: torch.nn.Module, opt: torch.optim.Optimizer | None, batch: models.Batch,
                 loss_fn: Callable, mode: str, autocast: Callable[[], Any]) -> Callable[[], Any]:
     if mode == "infer":
         def infer() -> Any:
@@ -370,11 +371,11 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the last workload's blocks must not count in this one's peak memory
-    base, make_inputs, loss_fn = zoo.build(name, cfg.size, device=device, seed=0)
+    base, make_inputs, loss_fn = models.build(name, cfg.size, device=device, seed=0)
     base.train(mode == "train")
     batch = make_inputs(0)
     wl: dict[str, Any] = {
-        "model": name, "mode": mode, "dtype": dtype, "size": cfg.size, "config": _jsonable(zoo.config(name, cfg.size)),
+        "model": name, "mode": mode, "dtype": dtype, "size": cfg.size, "config": _jsonable(models.config(name, cfg.size)),
         "params": sum(p.numel() for p in base.parameters()), "tolerance": tol, "backends": {},
     }
 
@@ -397,7 +398,7 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     wl["compile_order"] = cold_order
     results = {b: BackendResult(b) for b in names}
     steps: dict[str, Callable[[], Any]] = {}
-    models: dict[str, torch.nn.Module] = {}
+    kept: dict[str, torch.nn.Module] = {}
     verdicts: dict[str, accuracy.Verdict] = {}
     enn_units: dict[str, set[str]] = {}
     enn_backend.reset()
@@ -428,7 +429,7 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
                 res.accuracy = {**v.to_dict(), "reliable": agrees}
             opt = torch.optim.AdamW(m.parameters(), lr=1e-4) if mode == "train" else None
             steps[b] = _timed_step(fn, m, opt, batch, loss_fn, mode, autocast)
-            models[b] = m
+            kept[b] = m
         except Exception as exc:  # noqa: BLE001 - one backend failing must not stop the suite
             res.ok, res.error = False, _format_exc(exc)
             res.accuracy = {"passed": False, "reason": f"did not run: {res.error}"}
@@ -472,7 +473,7 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
                 wl["profile_error"] = _format_exc(exc)
     if "eager" in results and ind and ind.ok and results["eager"].ok and ind.samples_ms and results["eager"].samples_ms:
         wl["speedup_inductor_vs_eager"] = paired_ratio(results["eager"].samples_ms, ind.samples_ms)
-    del steps, live, models
+    del steps, live, kept
 
     # ---- warm compile: reset Dynamo, drop in-memory caches, compile again from disk
     if cfg.warm_compile:
