@@ -22,7 +22,7 @@ import time
 import torch
 
 from enn_backend import models
-from enn_backend.bench import runner
+from enn_backend.bench.backends import cache_dir
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     ent = models.build(name, size, device=device)
     batch = ent.make_inputs()
     cache = tempfile.mkdtemp()
-    with runner.cache_dir(cache):
+    with cache_dir(cache):
         fn = torch.compile(ent.model, backend="enn")
         t0 = time.perf_counter()
         with torch.autocast(device, dtype=torch.bfloat16):

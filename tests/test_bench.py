@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from enn_backend import models
-from enn_backend.bench import accuracy, cli, plots, runner
+from enn_backend.bench import accuracy, backends, cli, markdown, plots, runner, steps, summary, timing
 
 
 # ------------------------------------------------------------------ accuracy
@@ -167,7 +167,7 @@ def test_summary_says_by_how_much_a_goal_is_missed():
     wl = lambda m, sp, dt="bf16": {"model": m, "mode": "train", "dtype": dt, "speedup_enn_vs_inductor": sp,  # noqa: E731
                                    "backends": {"inductor": {"compile_cold_s": 10.0}, "enn": {"compile_cold_s": 15.0}}}
     result = {"device": {"device": "cuda"}, "workloads": [wl("a", 1.2), wl("b", 0.9), wl("c", 2.0, "fp32")]}
-    s = plots.summarize(result)
+    s = summary.summarize(result)
     goals = {g["goal"].split(": ", 1)[1]: g for g in s["goals"]}
     g = goals["geomean speedup enn vs inductor (train + infer)"]
     assert g["measured"] == pytest.approx(math.sqrt(1.2 * 0.9), abs=1e-4) and not g["met"]
@@ -178,10 +178,10 @@ def test_summary_says_by_how_much_a_goal_is_missed():
     total = goals["enn / inductor cold compile time, all workloads"]
     assert total["measured"] == pytest.approx(1.5) and not total["met"]
     assert "enn / inductor warm compile time (geomean)" not in goals  # no warm compile measured
-    assert plots.geomean([]) is None and plots.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert summary.geomean([]) is None and summary.geomean([2.0, 8.0]) == pytest.approx(4.0)
     prof = {"enn": {"calls": {"aten::abs": 2.0, "aten::addmm": 4.0, "## Call CompiledFxGraph x ##": 1.0}},
             "inductor": {"calls": {"aten::addmm": 4.0, "aten::mm": 1.0}}}
-    assert plots.call_differences(prof) == [("aten::abs", 2.0), ("aten::mm", -1.0)]
+    assert markdown.call_differences(prof) == [("aten::abs", 2.0), ("aten::mm", -1.0)]
 
 
 def test_without_matplotlib_and_tqdm(monkeypatch, tmp_path, capsys):
@@ -210,33 +210,33 @@ def test_inference_and_training_steps_and_paired_ratio():
     model, make_inputs, loss_fn = models.build("bert", "cpu-small")
     batch = make_inputs()
     model.eval()
-    outs = runner._result_step(model, model, batch, loss_fn, "infer", runner._autocast("cpu", "fp32"))
+    outs = steps.result_step(model, model, batch, loss_fn, "infer", steps.autocast("cpu", "fp32"))
     assert len(outs) == 1 and outs[0].shape == (4, 4) and not outs[0].requires_grad
-    step = runner._timed_step(model, model, None, batch, loss_fn, "infer", runner._autocast("cpu", "bf16"))
+    step = steps.timed_step(model, None, batch, loss_fn, "infer", steps.autocast("cpu", "bf16"))
     assert step().dtype == torch.bfloat16  # autocast applies inside the step
     model.train()
-    grads = runner._result_step(model, model, batch, loss_fn, "train", runner._autocast("cpu", "fp32"))
+    grads = steps.result_step(model, model, batch, loss_fn, "train", steps.autocast("cpu", "fp32"))
     assert len(grads) == 1 + len(list(model.parameters())) and all(p.grad is None for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
-    runner._timed_step(model, model, opt, batch, loss_fn, "train", runner._autocast("cpu", "fp32"))()
+    steps.timed_step(model, opt, batch, loss_fn, "train", steps.autocast("cpu", "fp32"))()
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     # per-round ratios: a noisy round that hits both backends does not move the result
-    assert runner.paired_ratio([2.0, 20.0, 2.2], [1.0, 10.0, 1.0]) == pytest.approx(2.0)
+    assert timing.paired_ratio([2.0, 20.0, 2.2], [1.0, 10.0, 1.0]) == pytest.approx(2.0)
 
 
 def test_enn_summary_counts_unit_level_fallbacks():
     import enn_backend
     from enn_backend.report import FallbackKind
 
-    before = runner._enn_units()
+    before = backends.enn_units()
     enn_backend.report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph="g97",
                                       reason="test", action="compiling g97 with plain Inductor")
-    units = runner._enn_units() - before
+    units = backends.enn_units() - before
     assert units == {"g97"}
-    s = runner._enn_summary(units)
+    s = backends.enn_summary(units)
     assert s["fallbacks"] == {"compile_error": 1} and "plain Inductor" in s["fallback_details"][0]
-    assert runner._enn_summary({"g98"})["fallbacks"] == {}
+    assert backends.enn_summary({"g98"})["fallbacks"] == {}
 
 
 def test_first_compile_alternates_within_each_mode(monkeypatch):
@@ -256,3 +256,15 @@ def test_first_compile_alternates_within_each_mode(monkeypatch):
     runner.run_suite(cfg)
     for mode in ("train", "infer"):
         assert [s for m, _, s in shifts if m == mode] == [0, 1, 2, 3], shifts
+
+
+def test_timer_rotates_the_order_and_can_fix_the_steps_per_sample():
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    timer = timing.Timer("cpu", rounds=3, warmup=1, steps_per_sample=2)
+    samples = timer.measure(fns)
+    assert timer.method == "wall clock" and {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3, "c": 3}
+    warm = timing.steady_state_warmup()  # every callable first runs past enn's guard warm-up
+    assert calls[: 3 * warm] == ["a"] * warm + ["b"] * warm + ["c"] * warm
+    timed = calls[3 * warm:]
+    assert timed == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]

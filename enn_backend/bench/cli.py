@@ -18,7 +18,14 @@ import shlex
 import sys
 from typing import Any
 
+import torch
+
 from .. import models
+from .backends import BACKENDS
+from .plots import device_folder, write_outputs
+from .runner import BenchConfig, run_suite
+from .steps import DTYPES, MODES
+from .summary import summarize
 
 # The quick CPU preset: the models whose patterns enn targets (hand-written attention
 # with a causal / padding / additive-bias mask, GEMM + bias + GELU), at the tiny size.
@@ -74,9 +81,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_config(args: argparse.Namespace, argv: list[str]) -> Any:
-    from .runner import BACKENDS, DTYPES, MODES, BenchConfig
-
+def build_config(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
     preset = "quick" if args.quick or not args.preset else args.preset
     base = dict(PRESETS[preset])
     for key in ("models", "modes", "dtypes", "backends", "size", "device", "rounds", "threads"):
@@ -100,8 +105,6 @@ def build_config(args: argparse.Namespace, argv: list[str]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    from . import plots
-
     if args.list:
         for name, spec in models.MODELS.items():
             print(f"{name:<11} {spec.description}")
@@ -114,24 +117,20 @@ def main(argv: list[str] | None = None) -> int:
             result = json.load(f)
         out = args.out or os.path.dirname(os.path.abspath(args.render))
         stem = args.name or os.path.splitext(os.path.basename(args.render))[0]
-        result["summary"] = plots.summarize(result)
-        written = plots.write_outputs(result, out, stem)
+        result["summary"] = summarize(result)
+        written = write_outputs(result, out, stem)
         print("\n".join(f"wrote {p}" for p in written.values()))
         return 0
 
     cfg = build_config(args, argv)
-    import torch
-
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         print("enn bench: this preset needs a CUDA device and none is available", file=sys.stderr)
         return 2
-    from .runner import run_suite
-
     print(f"enn bench: preset {cfg.preset}, {len(cfg.models)} models x {len(cfg.modes)} modes x {len(cfg.dtypes)} dtypes, "
           f"backends {', '.join(cfg.backends)}, size {cfg.size}, device {cfg.device}", flush=True)
     result = run_suite(cfg)
-    out = args.out or os.environ.get("ENN_BENCH_OUT") or os.path.join("bench", "results", plots.device_folder(result))
-    written = plots.write_outputs(result, out, args.name or cfg.preset)
+    out = args.out or os.environ.get("ENN_BENCH_OUT") or os.path.join("bench", "results", device_folder(result))
+    written = write_outputs(result, out, args.name or cfg.preset)
     print(summary_text(result))
     print("\n".join(f"wrote {p}" for p in written.values()))
     failed = any(not g["met"] for g in result["summary"]["goals"])
