@@ -75,7 +75,7 @@ def main() -> None:
     for n in steps:
         print(f"{n:<32} {med[n]:9.3f} {100 * (med[n] / base - 1):+12.1f}% "
               f"{100 * (mean[n] / mean['enn guard=off'] - 1):+11.1f}% {med['inductor'] / med[n]:11.3f}x "
-              f"{100 * spread[n]:6.1f}% {peak_mib[n] if peak_mib[n] is not None else float('nan'):9.0f}")
+              f"{100 * spread[n]:6.1f}% {'-' if peak_mib[n] is None else f'{peak_mib[n]:.0f}':>9}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         atomic_write_text(os.path.join(args.out, "guard_overhead.json"), json.dumps(

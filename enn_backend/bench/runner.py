@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 
 from .. import __version__, compat, models
-from ..report import reset
+from ..report import reset as reset_report
 from . import accuracy
 from .backends import (BACKENDS, cache_dir, compile_with, enn_entry_point_installed, enn_summary, enn_units, environ,
                        graph_count, warm_up_compiler)
@@ -130,7 +130,7 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     kept: dict[str, torch.nn.Module] = {}
     verdicts: dict[str, accuracy.Verdict] = {}
     enn_units_of: dict[str, set[str]] = {}
-    reset()
+    reset_report()
     if "eager" in results:
         results["eager"].accuracy = {"passed": True, "reason": "the result compiled backends are compared with",
                                      "rel_error_compiled": accuracy.relative_error(eager_runs[0], ref)}
