@@ -1,9 +1,7 @@
 """Which attention patterns enn fuses on CUDA, and why not: prints the report per case."""
-import math
 import sys
 
 import torch
-import torch.nn.functional as F
 
 import enn_backend
 

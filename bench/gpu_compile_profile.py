@@ -1,8 +1,9 @@
 """Where the cold compile time goes, enn vs inductor, for one zoo workload on the GPU.
 
 Compiles the workload's first training step (forward + backward) into an empty Inductor cache
-per backend and prints torch._dynamo.utils.compile_times() (seconds per compiler phase) and
-the wall time, so a slow compile can be traced to the phase that takes it.
+per backend (as the benchmark suite does: enn_backend.bench.backends.cache_dir) and prints
+torch._dynamo.utils.compile_times() (seconds per compiler phase) and the wall time, so a slow
+compile can be traced to the phase that takes it.
 
 Run:  python bench/gpu_compile_profile.py alibi train
 """
@@ -17,9 +18,8 @@ import time
 import torch
 from torch._dynamo.utils import compile_times  # torch's own per-phase timers (no public API)
 
-import enn_backend  # noqa: F401  (registers backend="enn")
-from enn_backend import compat
-from enn_backend.bench import zoo
+from enn_backend import models
+from enn_backend.bench.backends import cache_dir, compile_with, warm_up_compiler
 
 
 def main() -> None:
@@ -28,25 +28,22 @@ def main() -> None:
         return
     name, mode = (sys.argv[1:3] + ["alibi", "train"][len(sys.argv[1:3]):])[:2]
     root = tempfile.mkdtemp(prefix="compile-profile-")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "warm-up")
-    torch.compile(lambda x: (x.sin() @ x).relu())(torch.randn(64, 64, device="cuda"))  # compiler start-up
+    warm_up_compiler("cuda", root)  # the compiler's start-up is paid before either backend
     for backend in ("inductor", "enn"):
         torch.compiler.reset()
         torch._dynamo.utils.compilation_time_metrics.clear()  # per backend, not accumulated
-        compat.clear_inductor_memory_caches()
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, backend)
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, backend, "triton")
-        model, make_inputs, loss_fn = zoo.build(name, "gpu-real", device="cuda", seed=0)
+        model, make_inputs, loss_fn = models.build(name, "gpu-real", device="cuda", seed=0)
         model.train(mode == "train")
         batch = make_inputs(0)
-        fn = torch.compile(model, backend=backend)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", torch.bfloat16), torch.set_grad_enabled(mode == "train"):
-            out = fn(*batch.args)
-            if mode == "train":
-                loss_fn(out, batch.target).backward()
-        torch.cuda.synchronize()
+        with cache_dir(os.path.join(root, backend)):
+            fn = compile_with(model, {"backend": backend})
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autocast("cuda", torch.bfloat16), torch.set_grad_enabled(mode == "train"):
+                out = fn(*batch.args)
+                if mode == "train":
+                    loss_fn(out, batch.target).backward()
+            torch.cuda.synchronize()
         print(f"=== {backend}: {name} {mode} cold compile {time.perf_counter() - t0:.2f} s")
         print(compile_times(repr="str", aggregate=True))
 

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from enn_backend.bench import runner, zoo
+from enn_backend import models
+from enn_backend.bench.backends import cache_dir
 
 
 def main() -> None:
@@ -29,10 +30,10 @@ def main() -> None:
     mode = sys.argv[2] if len(sys.argv) > 2 else "train"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     size = "gpu-real" if device == "cuda" else "cpu-small"
-    ent = zoo.build(name, size, device=device)
+    ent = models.build(name, size, device=device)
     batch = ent.make_inputs()
     cache = tempfile.mkdtemp()
-    with runner.cache_dir(cache):
+    with cache_dir(cache):
         fn = torch.compile(ent.model, backend="enn")
         t0 = time.perf_counter()
         with torch.autocast(device, dtype=torch.bfloat16):

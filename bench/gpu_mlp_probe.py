@@ -2,9 +2,9 @@
 
 Compiles the zoo MLP (gpu-real size, bf16 autocast, no_grad) with both backends in one
 process, in the order given, each into its own empty Inductor cache with Inductor's in-memory
-caches cleared (as the benchmark suite does), prints the launch config Inductor's pointwise
-autotuning chose for each GELU kernel, times both interleaved (do_bench, 20 rounds) and
-profiles each backend's kernels.
+caches cleared, prints the launch config Inductor's pointwise autotuning chose for each GELU
+kernel, times both interleaved (20 rounds) and profiles each backend's kernels. Steps, caches
+and timing are the benchmark suite's own (enn_backend.bench.steps / backends / timing).
 
 Run:  python bench/gpu_mlp_probe.py enn,inductor
 """
@@ -15,12 +15,14 @@ import os
 import statistics
 import sys
 import tempfile
+from functools import partial
 
 import torch
 
-import enn_backend  # noqa: F401  (registers backend="enn")
-from enn_backend import compat
-from enn_backend.bench import zoo
+from enn_backend import models
+from enn_backend.bench.backends import cache_dir, compile_with
+from enn_backend.bench.steps import autocast, timed_step
+from enn_backend.bench.timing import Timer, paired_ratio, steady_state_warmup
 
 
 def _gelu_configs() -> list[str]:
@@ -39,48 +41,35 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return
-    import triton.testing
-
-    spec = zoo.MODELS["mlp"]
-    entry = spec.builder(torch.device("cuda"), **spec.sizes["gpu-real"])
+    entry = models.build("mlp", "gpu-real", device="cuda")
     model = entry.model.eval()
     batch = entry.make_inputs(0)
-
-    def step(fn):
-        def run():
-            with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
-                fn(*batch.args)
-        return run
+    step = partial(timed_step, opt=None, batch=batch, loss_fn=entry.loss_fn, mode="infer",
+                   autocast=autocast("cuda", "bf16"))
 
     order = (sys.argv[1] if len(sys.argv) > 1 else "enn,inductor").split(",")
     root = tempfile.mkdtemp(prefix="mlp-probe-")
     compiled = {}
     for backend in order:
         torch.compiler.reset()
-        compat.clear_inductor_memory_caches()
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, backend)
-        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, backend, "triton")
-        fn = torch.compile(model, backend=backend)
-        for _ in range(60):  # past enn's guard warm-up
-            step(fn)()
-        torch.cuda.synchronize()
-        compiled[backend] = fn
-        for line in _gelu_configs():
-            print(f"{backend:<9} {line}")
+        with cache_dir(os.path.join(root, backend)):
+            run = step(compile_with(model, {"backend": backend}))
+            for _ in range(steady_state_warmup()):  # compiles, then runs past enn's guard warm-up
+                run()
+            torch.cuda.synchronize()
+            compiled[backend] = run
+            for line in _gelu_configs():
+                print(f"{backend:<9} {line}")
 
-    times: dict[str, list[float]] = {b: [] for b in compiled}
-    for r in range(20):
-        for b in (order if r % 2 == 0 else order[::-1]):
-            times[b].append(triton.testing.do_bench(step(compiled[b]), warmup=25, rep=100))
+    times = Timer("cuda", rounds=20, rep_ms=100.0).measure(compiled)
     for b, ts in times.items():
         print(f"{b:<9} median {statistics.median(ts):.4f} ms  min {min(ts):.4f}  max {max(ts):.4f}")
-    ratios = [i / e for i, e in zip(times["inductor"], times["enn"])]
-    print(f"enn / inductor speedup (median of per-round ratios): {statistics.median(ratios):.3f}")
+    print(f"enn / inductor speedup (median of per-round ratios): {paired_ratio(times['inductor'], times['enn']):.3f}")
 
-    for b, fn in compiled.items():
+    for b, run in compiled.items():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(10):
-                step(fn)()
+                run()
             torch.cuda.synchronize()
         gelu = [e for e in prof.key_averages() if "gelu" in e.key]
         for ev in gelu:

@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from enn_backend.bench import zoo
+from enn_backend import models
+from enn_backend.bench.steps import autocast, timed_step
 from enn_backend.guard import runtime as R
 from enn_backend.guard.screen import nonfinite_outputs, outputs
 
@@ -26,7 +27,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
     dev = torch.device(args.device)
-    model, make_inputs, loss_fn = zoo.build(args.model, "gpu-real" if dev.type == "cuda" else "cpu-small", device=dev)
+    model, make_inputs, loss_fn = models.build(args.model, "gpu-real" if dev.type == "cuda" else "cpu-small", device=dev)
     batch = make_inputs()
     stats: dict[str, list[float]] = {}
     call = R.GuardedGraph.__call__
@@ -44,12 +45,7 @@ def main() -> None:
 
     R.GuardedGraph.__call__ = timed
     fn = torch.compile(model, backend="enn", options={"guard_warmup": 0, "guard_every": 10**9})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step() -> None:
-        opt.zero_grad()
-        loss_fn(fn(*batch.args), batch.target).backward()
-        opt.step()
+    step = timed_step(fn, torch.optim.AdamW(model.parameters(), lr=1e-4), batch, loss_fn, "train", autocast(dev, "fp32"))
 
     for _ in range(3):
         step()

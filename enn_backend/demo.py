@@ -18,26 +18,10 @@ from typing import Callable
 
 import torch
 
-import enn_backend
-
-from .bench.runner import steady_state_warmup
-from .bench.zoo import gpt_small
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+from .bench.steps import autocast, timed_step
+from .bench.timing import Timer
+from .models import gpt_small
+from .report import report, reset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,34 +32,28 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
-    size, amp = ("gpu-real", torch.bfloat16) if on_gpu else ("cpu-small", None)
+    size, dtype = ("gpu-real", "bf16") if on_gpu else ("cpu-small", "fp32")
     overrides = dict(n_layer=2, batch=8) if on_gpu else {}
-    tol = dict(atol=3e-2, rtol=3e-2) if amp else dict(atol=1e-4, rtol=1e-4)
+    tol = dict(atol=3e-2, rtol=3e-2) if on_gpu else dict(atol=1e-4, rtol=1e-4)
+    amp = autocast(device, dtype)
 
     model, make_inputs, loss_fn = gpt_small(size, attention="naive", device=device, **overrides)
     batch = make_inputs()
     print(f"enn demo: GPT-2-style model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) "
-          f"on {device}, {'bf16 autocast' if amp else 'fp32'}")
+          f"on {device}, {'bf16 autocast' if on_gpu else 'fp32'}")
 
-    def step_fn(m: torch.nn.Module, fwd: Callable, opt: torch.optim.Optimizer) -> Callable[[], torch.Tensor]:
-        def step() -> torch.Tensor:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                loss = loss_fn(fwd(*batch.args), batch.target)
-            loss.backward()
-            opt.step()
-            return loss.detach()
+    def step_fn(m: torch.nn.Module, backend: str | None) -> Callable[[], torch.Tensor]:
+        fwd = torch.compile(m, backend=backend) if backend else m
+        return timed_step(fwd, torch.optim.AdamW(m.parameters(), lr=1e-3), batch, loss_fn, "train", amp)
 
-        return step
-
-    enn_backend.reset()
+    reset()
     eager_model = copy.deepcopy(model)
     t0 = time.perf_counter()
-    enn_step = step_fn(model, torch.compile(model, backend="enn"), torch.optim.AdamW(model.parameters(), lr=1e-3))
-    eager_step = step_fn(eager_model, eager_model, torch.optim.AdamW(eager_model.parameters(), lr=1e-3))
+    enn_step = step_fn(model, "enn")
+    eager_step = step_fn(eager_model, None)
     ok = True
     for i in range(args.steps):
-        a, b = enn_step(), eager_step()
+        a, b = enn_step().detach(), eager_step().detach()
         same = torch.allclose(a.float(), b.float(), **tol)
         ok &= same
         print(f"  step {i}: loss enn {a.item():.5f}  eager {b.item():.5f}  {'ok' if same else 'MISMATCH'}")
@@ -86,27 +64,22 @@ def main(argv: list[str] | None = None) -> int:
     ok &= params_ok
     print(f"  parameters after {args.steps} steps: max |enn - eager| = {worst:.2e}  {'ok' if params_ok else 'MISMATCH'}")
 
-    with torch.no_grad(), torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+    with torch.no_grad(), amp():
         infer = torch.compile(model, backend="enn")
         got, ref = infer(*batch.args), model(*batch.args)
     inf_ok = torch.allclose(got.float(), ref.float(), **tol)
     ok &= inf_ok
     print(f"  inference logits vs eager: max diff {(got.float() - ref.float()).abs().max().item():.2e}  {'ok' if inf_ok else 'MISMATCH'}")
 
-    print(f"timing a training step (median of {args.reps}, after the guard's warm-up, side by side):")
-    timings = {}
-    warm = steady_state_warmup()  # the same for every backend
-    for name in ("eager", "inductor", "enn"):
-        m = copy.deepcopy(eager_model)
-        fwd = m if name == "eager" else torch.compile(m, backend=name)
-        step = step_fn(m, fwd, torch.optim.AdamW(m.parameters(), lr=1e-3))
-        for _ in range(warm):  # past enn's guard warm-up: its first calls of each graph are checked (host sync)
-            step()
-        timings[name] = _median_ms(step, device, args.reps)
+    print(f"timing a training step (median of {args.reps}, after the guard's warm-up, interleaved):")
+    steps = {name: step_fn(copy.deepcopy(eager_model), None if name == "eager" else name)
+             for name in ("eager", "inductor", "enn")}
+    samples = Timer(device, rounds=args.reps, steps_per_sample=1).measure(steps)
+    timings = {name: statistics.median(ms) for name, ms in samples.items()}
     for name, ms in timings.items():
         print(f"  {name:<9} {ms:8.2f} ms/step   {timings['eager'] / ms:5.2f}x eager   {timings['inductor'] / ms:5.2f}x inductor")
     print()
-    print(enn_backend.report())
+    print(report())
     print("demo:", "PASSED (enn matches eager)" if ok else "FAILED (see MISMATCH above)")
     return 0 if ok else 1
 

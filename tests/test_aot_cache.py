@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import enn_backend
-from enn_backend.bench import runner, zoo
+from enn_backend import models
+from enn_backend.bench.backends import cache_dir
 from enn_backend.guard.runtime import GuardedGraph
 
 OPTIONS = {"attention_backend": "flash", "persist": False}
@@ -35,10 +36,10 @@ def _compile_and_step(cache, options=OPTIONS, model=None, device="cpu"):
     """Fresh Dynamo and in-memory caches, then one training step compiled from ``cache``."""
     torch.compiler.reset()
     enn_backend.reset()
-    entry = zoo.build("gpt2_naive", "cpu-small", n_layer=1, device=device)
+    entry = models.build("gpt2_naive", "cpu-small", n_layer=1, device=device)
     model = model or copy.deepcopy(entry.model)
     batch = entry.make_inputs(0)
-    with runner.cache_dir(cache):
+    with cache_dir(cache):
         compiled = torch.compile(model, backend="enn", options=options)
         loss, grads = _step(compiled, model, batch, entry.loss_fn)
     return compiled, model, batch, entry.loss_fn, loss, grads
@@ -119,7 +120,7 @@ def _check_fault_after_warm_start(cache, _report, loss_cold, grads_cold, tmp_pat
     forward.compiled = broken
     for p in model.parameters():
         p.grad = None
-    with caplog.at_level(logging.INFO, logger="enn_backend"), runner.cache_dir(cache):
+    with caplog.at_level(logging.INFO, logger="enn_backend"), cache_dir(cache):
         loss, grads = _step(compiled, model, batch, loss_fn)
     tol = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(loss, loss_cold, **tol)  # eager's result, not NaN
@@ -142,7 +143,7 @@ def test_a_nan_weight_in_a_cache_loaded_graph_blames_nothing(cold, tmp_path):
     forward.since_build = 0
     with torch.no_grad():
         model.lm_head.weight[0, 0] = float("nan")  # the model's own NaN: eager has it too
-    with runner.cache_dir(cache):
+    with cache_dir(cache):
         loss = loss_fn(compiled(*batch.args), batch.target)
     assert torch.isnan(loss)
     rep = enn_backend.report().to_dict()
@@ -157,7 +158,7 @@ def test_buffer_content_is_still_guarded_after_a_warm_start(cold, tmp_path):
     reference = copy.deepcopy(model)
     for m in (model, reference):
         dict(m.named_buffers())["h.0.attn.bias"].fill_(1.0)  # attend to every key
-    with runner.cache_dir(cache):  # (grad mode on: the cached training graph, not a new compile)
+    with cache_dir(cache):  # (grad mode on: the cached training graph, not a new compile)
         got, want = compiled(*batch.args), reference(*batch.args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert enn_backend.report().counters["aot_cache.hits"] == 1 and len(enn_backend.report().graphs) == 2
@@ -227,7 +228,7 @@ def test_inference_graph_from_cache_is_traced_again_outside_the_runtime_wrappers
     for warm in (False, True):
         torch.compiler.reset()
         enn_backend.reset()
-        with torch.no_grad(), runner.cache_dir(cache):
+        with torch.no_grad(), cache_dir(cache):
             got = torch.compile(lambda t: torch.log(lin(t)) * 2.0, backend="enn", options={"persist": False})(x)
         rep = enn_backend.report().to_dict()
         assert [g["from_cache"] for g in rep["graphs"]] == [warm]

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import enn_backend
-from enn_backend.bench import zoo
+from enn_backend import models
 from enn_backend.custom_ops.attention import Backend
 from enn_backend.passes.attention.kernels.sdpa import NATIVE
 from pass_harness import assert_ops, count_ops, run_passes
@@ -53,7 +53,7 @@ def _train_step(run, model, batch, loss_fn, device_type):
 def _check_model(name, device, options):
     """The pass's graph: one site fused into the chosen kernel's own op, no enn::attention around
     it. Then the whole backend: eager's loss and gradients, nothing fallen back."""
-    entry = zoo.build(name, "cpu-small", device=device, **ONE_LAYER[name])
+    entry = models.build(name, "cpu-small", device=device, **ONE_LAYER[name])
     reference = copy.deepcopy(entry.model)
     batch = entry.make_inputs(0)
     device_type = torch.device(device).type
@@ -104,7 +104,7 @@ def test_zoo_attention_fused_as_aten_kernel_gpu(name):
 def test_mask_buffer_content_is_guarded():
     """nanoGPT's causal buffer is compiled as a causal flag; if the buffer changes, the graph
     runs eagerly (recorded) and the result follows the new mask."""
-    entry = zoo.build("gpt2_naive", "cpu-small", n_layer=1)
+    entry = models.build("gpt2_naive", "cpu-small", n_layer=1)
     reference = copy.deepcopy(entry.model)
     batch = entry.make_inputs(0)
     compiled = torch.compile(entry.model, backend="enn", options={"attention_backend": "flash"})
@@ -123,7 +123,7 @@ def test_flex_in_graph_inference_cpu():
     """ALiBi + causal and a sliding window become FlexAttention ops that Inductor compiles (CPU
     flex is inference-only, so only when asked for; CUDA picks flex by default). The block mask
     enters the joint graph through lifts, which the post-grad pass drops."""
-    entry = zoo.build("alibi", "cpu-small", n_layer=1)
+    entry = models.build("alibi", "cpu-small", n_layer=1)
     batch = entry.make_inputs(0)
     options = {"attention_backend": "flex"}
     run = run_passes(entry.model, batch.args, ["attention", "flex_constants"], training=False, options=options)
@@ -150,7 +150,7 @@ def test_inductors_own_attention_fusion_keeps_the_joint_graph_valid():
     """On CPU enn leaves BERT's attention to Inductor, whose fuse_attention rewrites it between
     enn's joint passes and leaves the graph unsorted until after enn's post pass: enn must
     restore the order (before the fix the graph failed lint and fell back to plain Inductor)."""
-    entry = zoo.build("bert", "cpu-small")
+    entry = models.build("bert", "cpu-small")
     reference = copy.deepcopy(entry.model)
     batch = entry.make_inputs(0)
     compiled = torch.compile(entry.model, backend="enn")

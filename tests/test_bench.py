@@ -1,4 +1,4 @@
-"""The benchmark suite: zoo models, the accuracy rule, and one real end-to-end run."""
+"""The benchmark suite: the accuracy rule, the runner, the presets and one real end-to-end run."""
 
 from __future__ import annotations
 
@@ -10,59 +10,8 @@ import sys
 import pytest
 import torch
 
-from enn_backend.bench import accuracy, cli, plots, runner, zoo
-
-
-# ------------------------------------------------------------------ zoo
-@pytest.mark.parametrize("name", zoo.names())
-def test_zoo_model_builds_trains_and_is_deterministic(name):
-    model, make_inputs, loss_fn = zoo.build(name, "cpu-small")
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
-    batch = make_inputs()
-    out = model(*batch.args)
-    loss = loss_fn(out, batch.target)
-    assert loss.ndim == 0 and torch.isfinite(loss)
-    loss.backward()
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
-    # same seed -> same weights and inputs; another seed -> other inputs
-    model2, make2, _ = zoo.build(name, "cpu-small")
-    assert all(torch.equal(initial[k], v) for k, v in model2.state_dict().items())
-    assert all(torch.equal(a, b) for a, b in zip(batch.args, make2().args))
-    assert any(not torch.equal(a, b) for a, b in zip(batch.args, make_inputs(1).args))
-    with torch.no_grad():  # (training mode: BatchNorm uses batch statistics, so this holds for convnet too)
-        torch.testing.assert_close(model2(*batch.args), out.detach())
-
-
-def test_zoo_gpu_real_configs_are_real_sizes():
-    assert zoo.config("gpt2_sdpa", "gpu-real") == dict(batch=8, seq=1024, vocab=50304, d_model=768, n_head=12, n_layer=6)
-    for name in zoo.names():
-        small, real = zoo.config(name, "cpu-small"), zoo.config(name, "gpu-real")
-        assert small.keys() == real.keys()
-    with pytest.raises(KeyError):
-        zoo.config("nope")
-
-
-def test_gpt_small_for_the_demo():
-    model, make_inputs, loss_fn = zoo.gpt_small()
-    assert sum(p.numel() for p in model.parameters()) < 500_000
-    sdpa, _, _ = zoo.gpt_small(attention="sdpa")
-    batch = make_inputs()
-    with torch.no_grad():  # same weights, two attention spellings, same function
-        torch.testing.assert_close(sdpa(*batch.args), model(*batch.args), rtol=1e-4, atol=1e-5)
-    with pytest.raises(ValueError):
-        zoo.gpt_small(attention="flash")
-
-
-def test_bert_padding_mask_is_respected():
-    model, make_inputs, _ = zoo.build("bert", "cpu-small")
-    model.eval()
-    ids, mask = make_inputs().args
-    row = int((mask.sum(1) < mask.size(1)).nonzero()[0])  # a padded sequence
-    ids2 = ids.clone()
-    ids2[row, mask[row] == 0] = 7  # change only padded tokens
-    with torch.no_grad():
-        torch.testing.assert_close(model(ids2, mask)[row], model(ids, mask)[row])
+from enn_backend import models
+from enn_backend.bench import accuracy, backends, cli, markdown, plots, runner, steps, summary, timing
 
 
 # ------------------------------------------------------------------ accuracy
@@ -218,7 +167,7 @@ def test_summary_says_by_how_much_a_goal_is_missed():
     wl = lambda m, sp, dt="bf16": {"model": m, "mode": "train", "dtype": dt, "speedup_enn_vs_inductor": sp,  # noqa: E731
                                    "backends": {"inductor": {"compile_cold_s": 10.0}, "enn": {"compile_cold_s": 15.0}}}
     result = {"device": {"device": "cuda"}, "workloads": [wl("a", 1.2), wl("b", 0.9), wl("c", 2.0, "fp32")]}
-    s = plots.summarize(result)
+    s = summary.summarize(result)
     goals = {g["goal"].split(": ", 1)[1]: g for g in s["goals"]}
     g = goals["geomean speedup enn vs inductor (train + infer)"]
     assert g["measured"] == pytest.approx(math.sqrt(1.2 * 0.9), abs=1e-4) and not g["met"]
@@ -229,10 +178,10 @@ def test_summary_says_by_how_much_a_goal_is_missed():
     total = goals["enn / inductor cold compile time, all workloads"]
     assert total["measured"] == pytest.approx(1.5) and not total["met"]
     assert "enn / inductor warm compile time (geomean)" not in goals  # no warm compile measured
-    assert plots.geomean([]) is None and plots.geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert summary.geomean([]) is None and summary.geomean([2.0, 8.0]) == pytest.approx(4.0)
     prof = {"enn": {"calls": {"aten::abs": 2.0, "aten::addmm": 4.0, "## Call CompiledFxGraph x ##": 1.0}},
             "inductor": {"calls": {"aten::addmm": 4.0, "aten::mm": 1.0}}}
-    assert plots.call_differences(prof) == [("aten::abs", 2.0), ("aten::mm", -1.0)]
+    assert markdown.call_differences(prof) == [("aten::abs", 2.0), ("aten::mm", -1.0)]
 
 
 def test_without_matplotlib_and_tqdm(monkeypatch, tmp_path, capsys):
@@ -254,40 +203,40 @@ def test_cli_rejects_unknown_names():
     cfg = cli.build_config(cli.parser().parse_args(["--quick", "--models", "mlp,bert", "--autotune"]), ["--quick"])
     assert cfg.models == ["mlp", "bert"] and "inductor-max-autotune" in cfg.backends and cfg.device == "cpu"
     gpu = cli.build_config(cli.parser().parse_args(["--preset", "gpu"]), [])
-    assert gpu.dtypes == ["bf16"] and gpu.size == "gpu-real" and set(gpu.models) == set(zoo.names())
+    assert gpu.dtypes == ["bf16"] and gpu.size == "gpu-real" and set(gpu.models) == set(models.names())
 
 
 def test_inference_and_training_steps_and_paired_ratio():
-    model, make_inputs, loss_fn = zoo.build("bert", "cpu-small")
+    model, make_inputs, loss_fn = models.build("bert", "cpu-small")
     batch = make_inputs()
     model.eval()
-    outs = runner._result_step(model, model, batch, loss_fn, "infer", runner._autocast("cpu", "fp32"))
+    outs = steps.result_step(model, model, batch, loss_fn, "infer", steps.autocast("cpu", "fp32"))
     assert len(outs) == 1 and outs[0].shape == (4, 4) and not outs[0].requires_grad
-    step = runner._timed_step(model, model, None, batch, loss_fn, "infer", runner._autocast("cpu", "bf16"))
+    step = steps.timed_step(model, None, batch, loss_fn, "infer", steps.autocast("cpu", "bf16"))
     assert step().dtype == torch.bfloat16  # autocast applies inside the step
     model.train()
-    grads = runner._result_step(model, model, batch, loss_fn, "train", runner._autocast("cpu", "fp32"))
+    grads = steps.result_step(model, model, batch, loss_fn, "train", steps.autocast("cpu", "fp32"))
     assert len(grads) == 1 + len(list(model.parameters())) and all(p.grad is None for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
-    runner._timed_step(model, model, opt, batch, loss_fn, "train", runner._autocast("cpu", "fp32"))()
+    steps.timed_step(model, opt, batch, loss_fn, "train", steps.autocast("cpu", "fp32"))()
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     # per-round ratios: a noisy round that hits both backends does not move the result
-    assert runner.paired_ratio([2.0, 20.0, 2.2], [1.0, 10.0, 1.0]) == pytest.approx(2.0)
+    assert timing.paired_ratio([2.0, 20.0, 2.2], [1.0, 10.0, 1.0]) == pytest.approx(2.0)
 
 
 def test_enn_summary_counts_unit_level_fallbacks():
     import enn_backend
     from enn_backend.report import FallbackKind
 
-    before = runner._enn_units()
+    before = backends.enn_units()
     enn_backend.report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph="g97",
                                       reason="test", action="compiling g97 with plain Inductor")
-    units = runner._enn_units() - before
+    units = backends.enn_units() - before
     assert units == {"g97"}
-    s = runner._enn_summary(units)
+    s = backends.enn_summary(units)
     assert s["fallbacks"] == {"compile_error": 1} and "plain Inductor" in s["fallback_details"][0]
-    assert runner._enn_summary({"g98"})["fallbacks"] == {}
+    assert backends.enn_summary({"g98"})["fallbacks"] == {}
 
 
 def test_first_compile_alternates_within_each_mode(monkeypatch):
@@ -307,3 +256,15 @@ def test_first_compile_alternates_within_each_mode(monkeypatch):
     runner.run_suite(cfg)
     for mode in ("train", "infer"):
         assert [s for m, _, s in shifts if m == mode] == [0, 1, 2, 3], shifts
+
+
+def test_timer_rotates_the_order_and_can_fix_the_steps_per_sample():
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    timer = timing.Timer("cpu", rounds=3, warmup=1, steps_per_sample=2)
+    samples = timer.measure(fns)
+    assert timer.method == "wall clock" and {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3, "c": 3}
+    warm = timing.steady_state_warmup()  # every callable first runs past enn's guard warm-up
+    assert calls[: 3 * warm] == ["a"] * warm + ["b"] * warm + ["c"] * warm
+    timed = calls[3 * warm:]
+    assert timed == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]

@@ -32,9 +32,7 @@ KNOWN_CYCLES = {
 # passes package. New code imports at the top of the module.
 KNOWN_LOCAL_IMPORTS = {
     ("enn_backend.aot_cache", "enn_backend.passes"), ("enn_backend.aot_cache", "enn_backend.guard.runtime"),
-    ("enn_backend.aot_cache", "enn_backend.graph_compiler"), ("enn_backend.bench.cli", "enn_backend.bench.runner"),
-    ("enn_backend.bench.cli", "enn_backend.bench.plots"), ("enn_backend.bench.runner", "enn_backend.options"),
-    ("enn_backend.bench.runner", "enn_backend.backend"), ("enn_backend.bench.runner", "enn_backend.bench.plots"),
+    ("enn_backend.aot_cache", "enn_backend.graph_compiler"),
     ("enn_backend.custom_ops.gemm", "enn_backend.compat"), ("enn_backend.custom_ops.gemm", "enn_backend.report"),
     ("enn_backend.debug.cli", "enn_backend.report"), ("enn_backend.debug.cli", "enn_backend.debug.minify"),
     ("enn_backend.debug.minify", "enn_backend.report"), ("enn_backend.debug.replay", "enn_backend.options"),

@@ -18,7 +18,14 @@ import shlex
 import sys
 from typing import Any
 
-from . import zoo
+import torch
+
+from .. import models
+from .backends import BACKENDS
+from .plots import device_folder, write_outputs
+from .runner import BenchConfig, run_suite
+from .steps import DTYPES, MODES
+from .summary import summarize
 
 # The quick CPU preset: the models whose patterns enn targets (hand-written attention
 # with a causal / padding / additive-bias mask, GEMM + bias + GELU), at the tiny size.
@@ -32,7 +39,7 @@ GPU_MODELS = ["gpt2_sdpa", "gpt2_naive", "llama", "bert", "alibi", "t5", "slidin
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(device="cpu", size="cpu-small", models=QUICK_MODELS, modes=["train", "infer"], dtypes=["fp32"],
                   backends=["eager", "inductor", "enn"], rounds=9, sample_s=0.03, budget_s=230.0, threads=1),
-    "cpu": dict(device="cpu", size="cpu-small", models=zoo.names(), modes=["train", "infer"], dtypes=["fp32", "bf16"],
+    "cpu": dict(device="cpu", size="cpu-small", models=models.names(), modes=["train", "infer"], dtypes=["fp32", "bf16"],
                 backends=["eager", "inductor", "enn"], rounds=7, sample_s=0.1, budget_s=None),
     # gpu-real sizes use 2 layers (6 for gpt2_sdpa, the ANCHORS stack) so that 20 workloads x
     # 2 cold compiles fit in 8 minutes; no warm-compile pass (add --warm-compile, or run a
@@ -51,12 +58,12 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the quick CPU preset (same as --preset quick)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named preset (default: quick)")
-    p.add_argument("--models", type=_csv, help=f"comma-separated zoo models (known: {', '.join(zoo.names())})")
+    p.add_argument("--models", type=_csv, help=f"comma-separated zoo models (known: {', '.join(models.names())})")
     p.add_argument("--modes", type=_csv, help="train,infer")
     p.add_argument("--dtypes", type=_csv, help="fp32,bf16 (bf16 = autocast over fp32 parameters)")
     p.add_argument("--backends", type=_csv, help="eager,inductor,enn[,inductor-max-autotune,enn-max-autotune]")
     p.add_argument("--autotune", action="store_true", help="also run inductor (and enn) with mode=max-autotune-no-cudagraphs")
-    p.add_argument("--size", choices=zoo.SIZES, help="model size (default from the preset)")
+    p.add_argument("--size", choices=models.SIZES, help="model size (default from the preset)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default from the preset)")
     p.add_argument("--rounds", type=int, help="interleaved timing rounds")
     p.add_argument("--threads", type=int, help="CPU: torch.set_num_threads for the run (quick preset: 1)")
@@ -74,9 +81,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_config(args: argparse.Namespace, argv: list[str]) -> Any:
-    from .runner import BACKENDS, DTYPES, MODES, BenchConfig
-
+def build_config(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
     preset = "quick" if args.quick or not args.preset else args.preset
     base = dict(PRESETS[preset])
     for key in ("models", "modes", "dtypes", "backends", "size", "device", "rounds", "threads"):
@@ -87,7 +92,7 @@ def build_config(args: argparse.Namespace, argv: list[str]) -> Any:
     if args.autotune:
         base["backends"] = list(base["backends"]) + [b for b in ("inductor-max-autotune", "enn-max-autotune")
                                                       if b not in base["backends"]]
-    for key, known in (("models", zoo.names()), ("modes", MODES), ("dtypes", list(DTYPES)), ("backends", list(BACKENDS))):
+    for key, known in (("models", models.names()), ("modes", MODES), ("dtypes", list(DTYPES)), ("backends", list(BACKENDS))):
         bad = [x for x in base[key] if x not in known]
         if bad:
             raise SystemExit(f"enn bench: unknown {key} {', '.join(bad)}; known: {', '.join(known)}")
@@ -100,10 +105,8 @@ def build_config(args: argparse.Namespace, argv: list[str]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
-    from . import plots
-
     if args.list:
-        for name, spec in zoo.MODELS.items():
+        for name, spec in models.MODELS.items():
             print(f"{name:<11} {spec.description}")
         print()
         for name, p in PRESETS.items():
@@ -114,24 +117,20 @@ def main(argv: list[str] | None = None) -> int:
             result = json.load(f)
         out = args.out or os.path.dirname(os.path.abspath(args.render))
         stem = args.name or os.path.splitext(os.path.basename(args.render))[0]
-        result["summary"] = plots.summarize(result)
-        written = plots.write_outputs(result, out, stem)
+        result["summary"] = summarize(result)
+        written = write_outputs(result, out, stem)
         print("\n".join(f"wrote {p}" for p in written.values()))
         return 0
 
     cfg = build_config(args, argv)
-    import torch
-
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         print("enn bench: this preset needs a CUDA device and none is available", file=sys.stderr)
         return 2
-    from .runner import run_suite
-
     print(f"enn bench: preset {cfg.preset}, {len(cfg.models)} models x {len(cfg.modes)} modes x {len(cfg.dtypes)} dtypes, "
           f"backends {', '.join(cfg.backends)}, size {cfg.size}, device {cfg.device}", flush=True)
     result = run_suite(cfg)
-    out = args.out or os.environ.get("ENN_BENCH_OUT") or os.path.join("bench", "results", plots.device_folder(result))
-    written = plots.write_outputs(result, out, args.name or cfg.preset)
+    out = args.out or os.environ.get("ENN_BENCH_OUT") or os.path.join("bench", "results", device_folder(result))
+    written = write_outputs(result, out, args.name or cfg.preset)
     print(summary_text(result))
     print("\n".join(f"wrote {p}" for p in written.values()))
     failed = any(not g["met"] for g in result["summary"]["goals"])
