@@ -9,6 +9,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import logging
+import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -452,18 +455,18 @@ def joint_fwd_bwd(fn: Callable[..., Any], args: list) -> torch.fx.GraphModule:
 
 
 # --- Inductor's own attention rewrites (enn owns attention) -------------------------------
-# Inductor's joint-graph pass registers ~120 attention patterns (fx_passes/fuse_attention.py,
-# `_sfdp_pattern_*`, 27 on 2.11, 30 on 2.13 / 2.15) into `joint_graph.patterns`, each rewriting
-# to SDPA. Their checks miss semantics: pytorch/pytorch#196468 (open, 2.11 - 2.15): a softmax
-# over another axis than the keys' is rewritten as attention and returns values off by ~3.
-# enn's own matcher decides what is attention (passes/attention.py); Inductor's patterns are
-# kept off enn's compiles only. No Inductor config switches them off alone (checked 2.11 - 2.15;
-# `pattern_matcher=False` also drops every other joint / post-grad pattern), so for the length
-# of one enn compile, in the compiling thread, `joint_graph.patterns` applies a copy of itself
-# without them. An entry is Inductor's attention pattern when the check `register_replacement`
-# made for it closes over a `replace_fn` defined in fuse_attention (2.11 - 2.15). Covered by
-# tests/test_upstream_corpus.py and minifier_repros/repro_upstream_196468_*.py; it can go when
-# enn requires a torch whose attention patterns check the softmax axis (none yet).
+# Inductor's joint-graph pass registers its attention patterns (fx_passes/fuse_attention.py,
+# `_sfdp_pattern_*`: 27 on 2.11, 30 on 2.13 / 2.15, 117 - 126 registered variants) into
+# `joint_graph.patterns`, each rewriting to SDPA. Their checks miss semantics:
+# pytorch/pytorch#196468 (open; wrong on 2.11 - 2.14, right on 2.15): a softmax over another axis
+# than the keys' is rewritten as attention and returns values off by ~3. Under enn, enn's
+# attention pass alone decides what is attention, so Inductor's patterns are kept off enn's
+# compiles on every version. No Inductor config switches them off alone (checked 2.11 - 2.15;
+# `pattern_matcher=False` also drops every other pattern pass), so for the length of one enn
+# compile, in the compiling thread, `joint_graph.patterns` applies a copy of itself without them.
+# An entry is Inductor's attention pattern when the check `register_replacement` made for it
+# closes over a `replace_fn` defined in fuse_attention (2.11 - 2.15). Covered by
+# tests/test_upstream_corpus.py and minifier_repros/repro_upstream_196468_*.py.
 _ATTENTION_MODULE = "torch._inductor.fx_passes.fuse_attention"
 _attention_off: list[int] = []  # idents of the threads inside an enn compile (nesting repeats one)
 _attention_warned: list[bool] = []
@@ -509,14 +512,10 @@ def _without_attention(registry: Any) -> Any:
 
 
 def _warn_if_unrecognized(registry: Any) -> None:
-    import sys
-
     info = getattr(getattr(sys.modules.get(_ATTENTION_MODULE), "_sfdp_init", None), "cache_info", None)
     registered = info is not None and info().currsize > 0  # Inductor has registered its patterns
     if registered and not _attention_warned and inductor_attention_rewrites(registry) == 0:
         _attention_warned.append(True)
-        import logging
-
         logging.getLogger("enn_backend").warning(
             "enn: torch %s registered Inductor's attention patterns in a form enn does not recognize; "
             "they may rewrite graphs enn's attention matcher declined (pytorch/pytorch#196468)",
@@ -524,8 +523,6 @@ def _warn_if_unrecognized(registry: Any) -> None:
 
 
 def _apply(gm: Any) -> int:
-    import threading
-
     registry = _joint_patterns()
     if threading.get_ident() not in _attention_off:
         return type(registry).apply(registry, gm)  # another thread's compile (plain Inductor)

@@ -81,6 +81,16 @@ def test_other_threads_keep_inductor_attention_rewrites():
     assert done and inductor_attention_fusions() == 1
 
 
+def test_unrecognized_attention_patterns_are_reported(monkeypatch, caplog):
+    """A torch whose attention patterns enn cannot tell apart gets a warning, not silence."""
+    monkeypatch.setattr(compat, "is_inductor_attention_rewrite", lambda entry: False)
+    monkeypatch.setattr(compat, "_attention_warned", [])
+    x = qkv()
+    with caplog.at_level("WARNING", logger="enn_backend"):
+        torch.compile(lambda q, k, v: attention(q, k, v) * 2, backend="enn")(*x)
+    assert any("does not recognize" in r.getMessage() for r in caplog.records)
+
+
 # ----------------------------------------------------------------------------- known miscompiles
 def aten_graph(fn, *args):
     return compat.make_fx(fn)(*args)
