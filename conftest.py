@@ -1,4 +1,10 @@
-"""Shared test set-up: enn's and Inductor's state go to temporary folders, the report starts empty."""
+"""Shared test set-up: every test gets its own enn state (kernel state, repros), Inductor's
+caches live per session, the report starts empty.
+
+``--enn-reverse`` runs the collected tests in reverse order: the suite must pass in any order
+(serially, reversed, and spread over xdist workers), which only holds while no test can see
+state another test left behind.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +16,28 @@ import torch
 import enn_backend
 
 
+def pytest_addoption(parser):
+    parser.addoption("--enn-reverse", action="store_true", default=False,
+                     help="run the collected tests in reverse order (checks that no test depends on another)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--enn-reverse"):
+        items.reverse()
+
+
 @pytest.fixture(autouse=True, scope="session")
-def _enn_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("enn")
+def _session_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("session")
     old = {k: os.environ.get(k) for k in ("ENN_CACHE_DIR", "ENN_REPRO_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    os.environ["ENN_CACHE_DIR"] = str(root / "cache")
-    os.environ["ENN_REPRO_DIR"] = str(root / "repros")
     # Inductor's caches (FX graph, AOTAutograd) start empty in each test session: a test that
     # checks what a compile does must not meet an earlier run's cache entry for its graph
     # (tests/test_aot_cache.py tests warm starts on purpose)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    # enn's folders for fixtures wider than one test (each test gets its own: _enn_state);
+    # nothing a test session does reaches the user's ~/.cache/enn
+    os.environ["ENN_CACHE_DIR"] = str(root / "enn-cache")
+    os.environ["ENN_REPRO_DIR"] = str(root / "enn-repros")
     yield
     for k, v in old.items():
         if v is None:
@@ -29,12 +47,18 @@ def _enn_dirs(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_report():
+def _enn_state(tmp_path, monkeypatch):
+    """enn's kernel state and repro scripts go to folders of this test alone: a fault one test
+    records (a pinned kernel) must not change what a later test compiles."""
+    monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path / "_enn" / "cache"))
+    monkeypatch.setenv("ENN_REPRO_DIR", str(tmp_path / "_enn" / "repros"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_report(_enn_state):
     torch._dynamo.reset()
     enn_backend.reset()
     from enn_backend.guard.kernel_state import forget_loaded_states
 
     forget_loaded_states()
     yield
-
-

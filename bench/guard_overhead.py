@@ -29,6 +29,7 @@ VARIANTS = {
     "enn nonfinite every call": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 1, "guard_warmup": 0}),
     "enn nonfinite every 10": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 10, "guard_warmup": 0}),
     "enn nonfinite every 50": dict(backend="enn", options={"guard": "nonfinite", "guard_every": 50, "guard_warmup": 0}),
+    "enn values every 50": dict(backend="enn", options={"guard": "values", "guard_every": 50, "guard_warmup": 0}),
     "enn defaults": dict(backend="enn"),
 }
 
@@ -65,7 +66,7 @@ def main() -> None:
             loss.backward()
             opt.step()
 
-        for _ in range(3):
+        for _ in range(25):  # past the guard's warm-up (20 checked calls): the steady state is measured
             step()
         steps[name] = step
 
@@ -74,29 +75,39 @@ def main() -> None:
             torch.cuda.synchronize()
 
     times = {n: [] for n in steps}
+    peak_mib = {n: 0.0 for n in steps}  # GPU: peak allocated memory of a round (the guard's copies show here)
     names = list(steps)
     for r in range(args.rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for n in order:
             sync()
+            if gpu:
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 steps[n]()
             sync()
             times[n].append(1e3 * (time.perf_counter() - t0) / args.steps)
+            if gpu:
+                peak_mib[n] = max(peak_mib[n], torch.cuda.max_memory_allocated() / 2**20)
     med = {n: statistics.median(v) for n, v in times.items()}
+    # the mean counts every step, the sampled checks included (a median of rounds can skip them)
+    mean = {n: statistics.fmean(v) for n, v in times.items()}
     spread = {n: (max(v) - min(v)) / statistics.median(v) for n, v in times.items()}
     base = med["enn guard=off"]
     print(f"guard overhead, {args.model} {size} {args.mode} on {dev} ({'bf16 autocast' if amp else 'fp32'}), "
           f"median of {args.rounds} rounds x {args.steps} steps")
-    print(f"{'variant':<32} {'ms/step':>9} {'vs guard=off':>13} {'vs inductor':>12} {'spread':>7}")
+    print(f"{'variant':<32} {'ms/step':>9} {'vs guard=off':>13} {'mean vs off':>12} {'vs inductor':>12} "
+          f"{'spread':>7} {'peak MiB':>9}")
     for n in names:
-        print(f"{n:<32} {med[n]:9.3f} {100 * (med[n] / base - 1):+12.1f}% {med['inductor'] / med[n]:11.3f}x {100 * spread[n]:6.1f}%")
+        print(f"{n:<32} {med[n]:9.3f} {100 * (med[n] / base - 1):+12.1f}% "
+              f"{100 * (mean[n] / mean['enn guard=off'] - 1):+11.1f}% {med['inductor'] / med[n]:11.3f}x "
+              f"{100 * spread[n]:6.1f}% {peak_mib[n]:9.0f}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "guard_overhead.json"), "w") as f:
             json.dump({"device": str(dev), "model": args.model, "size": size, "mode": args.mode,
-                       "times_ms": times, "median_ms": med, "torch": torch.__version__,
+                       "times_ms": times, "median_ms": med, "mean_ms": mean, "peak_mib": peak_mib, "torch": torch.__version__,
                        "gpu": torch.cuda.get_device_name() if gpu else None}, f, indent=1)
 
 

@@ -13,9 +13,10 @@ returns ``(out, lse)``:
 - ``dropout_p``: must be 0.0 (enn does not fuse attention with dropout yet; see the pass).
 - ``masked_rows``: ``"eager"`` gives NaN for a query row whose keys are all masked (what the
   hand-written ``softmax(masked_fill(-inf))`` gives in eager), ``"zero"`` gives 0 there.
-- ``backend``: the kernel the policy chose (enn_backend.attention_policy): ``explicit`` (enn's own
-  fp32 math), ``cpu_flash`` (ATen's CPU flash kernel), ``flash`` / ``efficient`` / ``cudnn`` / ``math``
-  (SDPA on CUDA with that backend forced), ``flex`` (FlexAttention, compiled).
+- ``backend``: the kernel the policy chose (enn_backend/passes/attention/policy.py), one of
+  :class:`Backend`: ``explicit`` (enn's own fp32 math), ``cpu_flash`` (ATen's CPU flash kernel),
+  ``flash`` / ``efficient`` / ``cudnn`` / ``math`` (SDPA on CUDA with that backend forced), ``flex``
+  (FlexAttention, compiled).
 
 ``lse`` is the log-sum-exp of each query row in fp32 ``[B, Hq, Tq]`` where the backend gives it
 (``explicit``, ``cpu_flash``), else an empty tensor; the backward uses it to avoid a recompute.
@@ -26,6 +27,7 @@ correct by construction on every torch version, at the cost of that recompute.
 from __future__ import annotations
 
 import collections
+import enum
 import functools
 import math
 from typing import Optional
@@ -35,7 +37,25 @@ import torch.nn.functional as F
 
 from .pinned import register_safe_path
 
-BACKENDS = ("explicit", "cpu_flash", "flash", "efficient", "cudnn", "math", "flex")
+
+
+class Backend(str, enum.Enum):
+    """Every attention kernel enn knows, by the name options, reports and ``enn::attention`` use."""
+
+    EXPLICIT = "explicit"  # enn's own fp32 math: any device, dtype and mask
+    CPU_FLASH = "cpu_flash"  # ATen's CPU flash kernel
+    FLASH = "flash"  # SDPA on CUDA, this backend forced
+    EFFICIENT = "efficient"  # SDPA memory-efficient
+    CUDNN = "cudnn"  # SDPA cuDNN
+    MATH = "math"  # SDPA math
+    FLEX = "flex"  # FlexAttention, compiled
+    INDUCTOR = "inductor"  # not a kernel: the attention stays as written and Inductor compiles it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BACKENDS = tuple(b.value for b in Backend if b is not Backend.INDUCTOR)  # what enn::attention runs
 MASKED_ROWS = ("eager", "zero")
 
 
@@ -46,17 +66,25 @@ def _positions(tq: int, tk: int, device: torch.device) -> tuple[torch.Tensor, to
     return i, j
 
 
+def band_mask_mod(causal: bool, window: int):
+    """FlexAttention's ``mask_mod`` of the causal / sliding-window band: key ``kv_idx`` is kept for
+    query ``q_idx`` when ``kv_idx <= q_idx`` (causal) and ``q_idx - kv_idx < window`` (window > 0)."""
+
+    def keep(b, h, q_idx, kv_idx):
+        ok = q_idx >= kv_idx if causal else q_idx >= 0
+        if window > 0:
+            ok = ok & (q_idx - kv_idx < window)
+        return ok
+
+    return keep
+
+
 def structural_keep(tq: int, tk: int, causal: bool, window: int, device: torch.device) -> Optional[torch.Tensor]:
     """The [Tq, Tk] keep-mask of the causal / window structure, or None if there is none."""
     if not causal and window <= 0:
         return None
     i, j = _positions(tq, tk, device)
-    keep = torch.ones(tq, tk, dtype=torch.bool, device=device)
-    if causal:
-        keep = keep & (j <= i)
-    if window > 0:
-        keep = keep & (i - j < window)
-    return keep
+    return band_mask_mod(causal, window)(None, None, i, j)
 
 
 def alibi_bias(slopes: torch.Tensor, tq: int, tk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -207,7 +235,7 @@ def saturated_counts(fb: torch.Tensor) -> torch.Tensor:
 
 
 # Backends whose backward recomputes P from the saved log-sum-exp (see saturated_counts).
-LSE_BACKWARD = ("cpu_flash", "flash", "efficient", "cudnn", "flex")
+LSE_BACKWARD = frozenset({Backend.CPU_FLASH, Backend.FLASH, Backend.EFFICIENT, Backend.CUDNN, Backend.FLEX})
 
 
 def _repeat_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
@@ -327,8 +355,8 @@ def _cpu_flash_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, windo
 def _sdpa_call(q, k, v, bias, mask, alibi, scale, causal, window, backend):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    kinds = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+    kinds = {Backend.FLASH: SDPBackend.FLASH_ATTENTION, Backend.EFFICIENT: SDPBackend.EFFICIENT_ATTENTION,
+             Backend.CUDNN: SDPBackend.CUDNN_ATTENTION, Backend.MATH: SDPBackend.MATH}
     is_causal = causal and window <= 0 and mask is None and bias is None and alibi is None
     attn_mask = None
     if not is_causal:
@@ -357,13 +385,7 @@ def _compiled_flex():
 def _block_mask(causal: bool, window: int, tq: int, tk: int, device: str):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def keep(b, h, qi, kj):
-        ok = qi >= kj if causal else qi >= 0
-        if window > 0:
-            ok = ok & (qi - kj < window)
-        return ok
-
-    return create_block_mask(keep, None, None, tq, tk, device=device)
+    return create_block_mask(band_mask_mod(causal, window), None, None, tq, tk, device=device)
 
 
 def _flex_call(q, k, v, bias, mask, alibi, scale, causal, window):
@@ -382,7 +404,7 @@ def _flex_call(q, k, v, bias, mask, alibi, scale, causal, window):
 
 
 def _recompute_fwd(q, k, v, bias, mask, alibi, scale, causal, window, backend):
-    if backend == "flex":
+    if backend == Backend.FLEX:
         out = _flex_call(q, k, v, bias, mask, alibi, scale, causal, window)
     else:
         out = _sdpa_call(q, k, v, bias, mask, alibi, scale, causal, window, backend)
@@ -407,8 +429,8 @@ def _recompute_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, windo
 
 
 # ----------------------------------------------------------------------------- dispatch
-_FWD = {"explicit": _explicit_fwd, "cpu_flash": _cpu_flash_fwd}
-_BWD = {"explicit": _explicit_bwd, "cpu_flash": _cpu_flash_bwd}
+_FWD = {Backend.EXPLICIT: _explicit_fwd, Backend.CPU_FLASH: _cpu_flash_fwd}
+_BWD = {Backend.EXPLICIT: _explicit_bwd, Backend.CPU_FLASH: _cpu_flash_bwd}
 
 
 def _check(q, k, v, backend, masked_rows, dropout_p):
@@ -467,7 +489,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         g = (g.float() / saturated_counts(fb)).to(g.dtype)
     if dead is not None:
         out = out.masked_fill(dead, 0.0)  # the forward's NaN fix-up must not leak into the kernels
-    if backend in _BWD and not (bias_grad and backend == "cpu_flash"):
+    if backend in _BWD and not (bias_grad and backend == Backend.CPU_FLASH):
         dq, dk, dv, db = _BWD[backend](g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window)
         if bias_grad and db is None:  # pragma: no cover - cpu_flash with bias grad is routed to explicit
             raise RuntimeError("enn::attention_backward: backend gave no bias gradient")
@@ -574,7 +596,7 @@ def _attention_backward_safe(grad_out, q, k, v, bias, mask, alibi, out, lse, sca
 
 # ----------------------------------------------------------------------------- safe paths of emitted kernels
 # Where no row can be fully masked the attention pass emits SDPA's ATen kernels themselves
-# (enn_backend/passes/attention.py). The guard's eager reference and a pinned node then run
+# (enn_backend/passes/attention/kernels/sdpa.py). The guard's eager reference and a pinned node then run
 # these instead: enn's explicit fp32 math, laid out exactly as the kernel lays out its outputs
 # (sizes, strides, dtypes from the op's meta function), so the compiled code around a pinned
 # node, and a backward graph fed by a pinned forward, see the kernel's metadata.

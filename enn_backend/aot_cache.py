@@ -330,6 +330,8 @@ class CachedGraph:
     (from a fresh trace) when the guard's ladder needs the graph.
     """
 
+    from_cache = True
+
     def __init__(self, warm: WarmStart, meta: dict[str, Any], record: GraphRecord) -> None:
         self.warm, self.record = warm, record
         self.opts = warm.opts

@@ -1,7 +1,9 @@
 """Every private torch import enn uses, and every version branch, in one place.
 
-enn is tested on torch 2.13 (CPU, CI) and 2.11 (CUDA, the lent GPU machine).
-Each workaround says which torch versions need it and when it can go.
+enn supports torch 2.11 to 2.15 (pyproject.toml): the suite runs on 2.13.0 and 2.14.1 in CI
+(CPU), on 2.15.0 (CPU) by hand and on 2.11 (CUDA, the lent GPU machine). Each workaround says
+which torch versions need it and when it can go; each upstream behaviour a test states is a
+named predicate below, with its versions, the upstream reason and the test that covers it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,34 @@ import torch
 import torch.fx
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+# --- Upstream behaviour that tests state, by version -------------------------------------
+def cpp_emulates_precision_casts() -> bool:
+    """torch >= 2.13: Inductor's C++ (CPU) code honours ``emulate_precision_casts``, rounding
+    each intermediate to the low-precision dtype as eager does; 2.11 and 2.12 emit the same CPU
+    code with it on or off (``codegen/cpp.py`` reads the flag from 2.13: checked in the 2.11,
+    2.12.1 and 2.13.0 sources; 2.11 measured). Triton code honours it on every supported torch.
+    Covered by tests/test_precision.py::test_emulate_precision_casts_matches_eager_bitwise."""
+    return TORCH_VERSION >= (2, 13)
+
+
+def emulate_precision_casts_rounds_python_scalars() -> bool:
+    """torch >= 2.15: under ``emulate_precision_casts`` Inductor's C++ code rounds a Python
+    scalar operand of a bf16 op to bf16 (``static_cast<at::BFloat16>(0.33)``; 2.13 and 2.14.1
+    emit ``static_cast<float>(0.33)``), where eager multiplies by the scalar in fp32: the
+    result is no longer eager's bit for bit (it differs from eager in more elements than
+    without emulation). Tensor operands still match eager exactly on every version.
+    Covered by tests/test_precision.py::test_emulate_precision_casts_matches_eager_bitwise."""
+    return TORCH_VERSION >= (2, 15)
+
+
+def inductor_compiles_nan_amax() -> bool:
+    """torch >= 2.14: Inductor compiles ``amax`` over a NaN-filled constant (pytorch/pytorch
+    #188225 fixed); 2.13 raises "ValueError: The argument 'nan' is not comparable" (index
+    propagation calls sympy's max on nan). Covered by
+    minifier_repros/repro_upstream_188225_amax_nan_constant.py."""
+    return TORCH_VERSION >= (2, 14)
+
 
 # --- Inductor entry points ---------------------------------------------------------
 from torch._inductor import config as inductor_config  # noqa: E402

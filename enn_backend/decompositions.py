@@ -33,7 +33,7 @@ class EnnDecompTable(dict):
         self.precision = precision
 
     def __reduce__(self) -> tuple:
-        from .passes import source_hash
+        from .passes.manager import source_hash
 
         key = hashlib.sha256(f"{compat.TORCH_VERSION}|{self.precision}|{source_hash()}".encode()).hexdigest()
         return (load_decomposition_table, (self.precision, key))

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class GraphCompiler:
+    from_cache = False  # (enn_backend.aot_cache.CachedGraph stands in for a cache-loaded graph)
+
     def __init__(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict, *, opts: Options,
                  unit: str, config_patches: dict, fault_specs: tuple, state: KernelState | None = None) -> None:
         self.opts = opts
@@ -82,6 +84,11 @@ class GraphCompiler:
         if self._fp32_gm is None:
             self._fp32_gm = E.promote_to_fp32(self.safe_gm())
         return self._fp32_gm
+
+    def fp64_gm(self) -> fx.GraphModule:
+        """The reference in fp64: the judge when compiled and eager values disagree (built on
+        demand, not kept: a disagreement is rare and the copy is as large as the graph)."""
+        return E.promote(self.safe_gm(), torch.float64)
 
     def safe_gm(self) -> fx.GraphModule:
         """The eager copy the guard re-runs: the ATen graph as given, except the kernels enn
@@ -136,6 +143,8 @@ class GraphCompiler:
         base = self.fp32_gm() if fp32 else self.eager_gm
         gm = E.pin_nodes(base, pins)
         gm, planted = E.plant_faults(gm, self.fault_specs, self.phase, skip=pins)
+        if self.fault_specs and not quiet:  # a spec that planted nothing in the unit is reported
+            self.fault_specs.graph_built(self, planted, pins)
         t0 = time.perf_counter()
         try:
             compiled = self._compile(gm, enn=True)

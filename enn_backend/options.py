@@ -3,13 +3,22 @@
 Sources, lowest to highest precedence:
 
 1. the defaults below;
-2. ``torch.compile(..., options={...})``;
-3. ``ENN_*`` environment variables.
+2. ``ENN_*`` environment variables;
+3. what the code says: ``torch.compile(..., mode=..., options={...})``;
+4. the override variables :data:`OVERRIDE_ENV` (``ENN_DISABLE``, ``ENN_GUARD``).
 
-The environment wins so that a user can flip enn's behaviour (``ENN_DISABLE=1``,
-``ENN_GUARD=strict``) to bisect a problem without editing the code that calls
-``torch.compile``. An unknown key or a bad value raises :class:`OptionsError`
-naming the valid choices; nothing is silently ignored.
+Code beats the environment, as ``options=`` beats the environment-derived defaults of
+``backend="inductor"``: a program that asks for an option gets it wherever it runs. The
+override variables are the exception because bisecting is what they are for: "is it enn at
+all?" (``ENN_DISABLE=1``) and "stop at the first fault" (``ENN_GUARD=strict``) must reach
+every compile of a program without editing the code that calls ``torch.compile``, whatever
+options that code passes. They are diagnostics, not configuration: no program has a reason
+to stop them. Every other variable is a default that code may change.
+
+An unknown key in ``options=`` or a bad value anywhere raises :class:`OptionsError`
+naming the valid choices. An unknown ``ENN_*`` variable is logged once (a warning naming
+the valid ones) and otherwise ignored: a stray variable in a shell must not break every
+compile.
 """
 
 from __future__ import annotations
@@ -17,11 +26,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
+import operator
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-GUARD_MODES = ("off", "exceptions", "nonfinite", "strict")
+GUARD_MODES = ("off", "exceptions", "nonfinite", "values", "strict")
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "flex", "explicit")
 MASKED_ROW_MODES = ("eager", "zero")
 TAIL_MODES = ("auto", "on", "off")
@@ -31,6 +42,12 @@ COMPILE_MODES = (
     "max-autotune",
     "max-autotune-no-cudagraphs",
 )
+
+
+log = logging.getLogger(__name__)
+
+# Environment variables that beat options= given in code (see the module docstring).
+OVERRIDE_ENV = ("ENN_DISABLE", "ENN_GUARD")
 
 
 class OptionsError(ValueError):
@@ -53,7 +70,7 @@ class Options:
         default="nonfinite",
         metadata=_meta(
             "ENN_GUARD",
-            "Runtime guard of every compiled graph: off | exceptions | nonfinite | strict.",
+            "Runtime guard of every compiled graph: off | exceptions | nonfinite | values (every checked call also compared with eager) | strict.",
             codegen=False,
             choices=GUARD_MODES,
         ),
@@ -74,6 +91,14 @@ class Options:
             codegen=False,
         ),
     )
+    guard_values: int = field(
+        default=1000,
+        metadata=_meta(
+            "ENN_GUARD_VALUES",
+            "Compare a graph's compiled results (outputs, gradients, writes into inputs) with eager's on its first call and then every N-th call (0: never); a kernel whose finite values are wrong is localized and pinned like a NaN.",
+            codegen=False,
+        ),
+    )
     localize_budget: int = field(
         default=16,
         metadata=_meta(
@@ -86,7 +111,7 @@ class Options:
         default="",
         metadata=_meta(
             "ENN_FAULT_INJECT",
-            "Test facility: '<op>:<raise|nan|inf>[:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code.",
+            "Test facility: '<op>:<raise|nan|inf|scale<f>>[@<n>][:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code ('scale1.01': values 1% off; '@3': every 3rd call).",
         ),
     )
     cache_dir: str = field(
@@ -180,34 +205,40 @@ class Options:
         mode: str | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> "Options":
-        """Build options from defaults, then ``options=``, then ``ENN_*`` env vars."""
+        """Build options from defaults, ``ENN_*`` env vars, ``mode=`` and ``options=``, then
+        the override variables (:data:`OVERRIDE_ENV`)."""
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
+        from_env: dict[str, Any] = {}
+        overrides: dict[str, Any] = {}
+        known_env = {f.metadata["env"]: f for f in fields(cls)}
+        for name, raw in environ.items():
+            if not name.startswith("ENN_") or name in _NON_OPTION_ENV:
+                continue
+            f = known_env.get(name)
+            if f is None:
+                _warn_unknown_env(name, known_env)
+                continue
+            (overrides if name in OVERRIDE_ENV else from_env)[f.name] = _coerce(f, raw, name)
+        from_code: dict[str, Any] = {}
         if mode is not None:
-            values["mode"] = _coerce(_field("mode"), mode, "mode=")
+            from_code["mode"] = _coerce(_field("mode"), mode, "mode=")
         for key, raw in (options or {}).items():
             if key not in cls.names():
                 raise OptionsError(
                     f"enn: unknown option {key!r}. Valid options: {', '.join(cls.names())}"
                 )
-            values[key] = _coerce(_field(key), raw, f"options[{key!r}]")
-        known_env = {f.metadata["env"]: f for f in fields(cls)}
-        for name, raw in environ.items():
-            if not name.startswith("ENN_"):
-                continue
-            f = known_env.get(name)
-            if f is None:
-                if name in _NON_OPTION_ENV:
-                    continue
-                raise OptionsError(
-                    f"enn: unknown environment variable {name}. Valid: {', '.join(sorted(known_env))}"
-                )
-            values[f.name] = _coerce(f, raw, name)
-        return cls(**values)
+            from_code[key] = _coerce(_field(key), raw, f"options[{key!r}]")
+        return cls(**{**from_env, **from_code, **overrides})
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and type(value) is not int:
+                raise OptionsError(f"enn: {f.name} must be an integer, got {value!r}")
         if self.guard_every < 1:
             raise OptionsError(f"enn: guard_every must be >= 1, got {self.guard_every}")
+        if self.guard_values < 0:
+            raise OptionsError(f"enn: guard_values must be >= 0, got {self.guard_values}")
         if self.guard_warmup < 0:
             raise OptionsError(f"enn: guard_warmup must be >= 0, got {self.guard_warmup}")
         if self.localize_budget < 0:
@@ -242,6 +273,18 @@ class Options:
 # ENN_* variables that are not options (read by tools, not by the backend).
 _NON_OPTION_ENV = frozenset({"ENN_TEST_GPU", "ENN_BENCH_OUT", "ENN_DEBUG_GRAPHS"})
 
+_warned_env: set[str] = set()
+
+
+def _warn_unknown_env(name: str, known: Mapping[str, Any]) -> None:
+    """Log an unknown ``ENN_*`` variable once per process; it has no effect."""
+    if name in _warned_env:
+        return
+    _warned_env.add(name)
+    log.warning("enn: ignoring unknown environment variable %s (a misspelling?). Valid: %s",
+                name, ", ".join(sorted([*known, *_NON_OPTION_ENV])))
+
+
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -263,9 +306,9 @@ def _coerce(f: dataclasses.Field, raw: Any, where: str) -> Any:
         raise OptionsError(f"enn: {where} must be a boolean (1/0, true/false), got {raw!r}")
     if kind == "int":
         try:
-            if isinstance(raw, bool):
-                raise ValueError
-            return int(raw)
+            if isinstance(raw, bool):  # an int subclass, but never meant as a count
+                raise TypeError
+            return int(raw) if isinstance(raw, str) else operator.index(raw)
         except (TypeError, ValueError):
             raise OptionsError(f"enn: {where} must be an integer, got {raw!r}") from None
     if not isinstance(raw, str):

@@ -31,6 +31,7 @@ class FallbackKind(str, enum.Enum):
 
     EXCEPTION = "exception"  # a compiled kernel raised at run time
     NONFINITE = "nonfinite"  # compiled output had NaN/Inf, eager did not
+    VALUE = "value"  # compiled values differ from eager's beyond tolerance, and eager is closer to fp64
     NONFINITE_LATE = "nonfinite_late"  # a GPU steady-state screen found NaN/Inf after the call returned
     PRECISION = "precision"  # eager (low precision) non-finite too, fp32 retry finite
     MODEL_NONFINITE = "model_nonfinite"  # NaN/Inf where eager has them too, but other values differ: eager's result
@@ -41,6 +42,7 @@ class FallbackKind(str, enum.Enum):
     PRECISION_SKIPPED = "precision_skipped"  # a precision feature did not apply (e.g. bf16 params)
     PINNED_FROM_STATE = "pinned_from_state"  # nodes pinned at compile time from persisted state
     BUFFER_CHANGED = "buffer_changed"  # a module buffer lost the content its graph was compiled for
+    FAULT_NOT_PLANTED = "fault_not_planted"  # a fault_inject spec reached no graph of a compiled unit
 
 
 @dataclass

@@ -6,8 +6,9 @@ Source: injected with ENN_FAULT_INJECT=aten.addmm:nan:fwd on Linear-ReLU-Linear 
 step); the guard's repro (6 nodes) minimized by `python -m enn_backend minify` to 1 node.
 What enn must do: blame addmm, pin it to eager, return eager's result; the report names addmm.
 
-    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 1 while the
-                            fault still reproduces (0 once fixed upstream, 2 undecided)
+    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 3 while the
+                            fault still reproduces (0 once fixed upstream, 4 undecided,
+                            1 the script itself failed)
     pytest <this file>      enn's guard must handle it: eager's result, the report names it
 """
 

@@ -7,8 +7,9 @@ the compile-time fault's graph (9 nodes) minimized to 1 node.
 What enn must do: record a compile_error fallback that blames mul, recompile the graph
 without enn's rewrites and lowerings, and return eager's result.
 
-    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 1 while the
-                            fault still reproduces (0 once fixed upstream, 2 undecided)
+    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 3 while the
+                            fault still reproduces (0 once fixed upstream, 4 undecided,
+                            1 the script itself failed)
     pytest <this file>      enn's guard must handle it: eager's result, the report names it
 """
 

@@ -7,8 +7,9 @@ step); the guard's repro of the backward graph (12 nodes) minimized to 1 node.
 What enn must do: catch the exception in the backward graph, blame mm, pin it, return
 eager's gradients; the report names mm.
 
-    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 1 while the
-                            fault still reproduces (0 once fixed upstream, 2 undecided)
+    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 3 while the
+                            fault still reproduces (0 once fixed upstream, 4 undecided,
+                            1 the script itself failed)
     pytest <this file>      enn's guard must handle it: eager's result, the report names it
 """
 

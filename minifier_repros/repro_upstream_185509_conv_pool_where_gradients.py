@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from upstream_corpus import awaiting_value_check, check, main
+from upstream_corpus import check, main
 
 ISSUE = 185509
 MECHANISM = "value_check"
@@ -41,7 +41,6 @@ def make_inputs():
     return [x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), mask]
 
 
-@awaiting_value_check(FIXED_IN)
 def test_upstream_185509_conv_pool_where_gradients():
     assert not check(where_conv_or_pool, make_inputs, grad=True)
 

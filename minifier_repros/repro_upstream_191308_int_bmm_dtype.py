@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from upstream_corpus import awaiting_known_bad_pins, check, main
+from upstream_corpus import check, main
 
 ISSUE = 191308
 MECHANISM = "known_bad"
@@ -29,7 +29,6 @@ def make_inputs():
     return [torch.ones((1, 1, 2), dtype=torch.int8), torch.ones((1, 2, 2), dtype=torch.int8)]
 
 
-@awaiting_known_bad_pins(FIXED_IN)
 def test_upstream_191308_int_bmm_dtype():
     assert not check(int_bmm, make_inputs)
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from upstream_corpus import awaiting_known_bad_pins, check, main
+from upstream_corpus import check, main
 
 ISSUE = 197091
 MECHANISM = "known_bad"
@@ -29,7 +29,6 @@ def make_inputs():
     return [torch.randn(3, 4, generator=g).half(), torch.randn(3, 4, generator=g)]
 
 
-@awaiting_known_bad_pins(FIXED_IN)
 def test_upstream_197091_ldexp_dtype():
     assert not check(ldexp, make_inputs)
 

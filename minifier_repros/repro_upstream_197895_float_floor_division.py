@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from upstream_corpus import awaiting_known_bad_pins, check, main
+from upstream_corpus import check, main
 
 ISSUE = 197895
 MECHANISM = "known_bad"
@@ -29,7 +29,6 @@ def make_inputs():
     return [torch.tensor([1.0, 0.5, 6.0, 1.0, 7.0, 0.3]), torch.tensor([0.1, 0.1, 0.2, 1 / 3, 0.7, 0.1])]
 
 
-@awaiting_known_bad_pins(FIXED_IN)
 def test_upstream_197895_float_floor_division():
     assert not check(floor_div, make_inputs)
 

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from upstream_corpus import awaiting_known_bad_pins, check, main
+from upstream_corpus import check, main
 
 ISSUE = 198057
 MECHANISM = "known_bad"
@@ -31,7 +31,6 @@ def make_inputs():
             torch.tensor([3.0, 3.0, 0.7, 0.1, 2.0, -2.0, 7.0, 3.0])]
 
 
-@awaiting_known_bad_pins(FIXED_IN)
 def test_upstream_198057_float_remainder():
     assert not check(remainder, make_inputs)
 

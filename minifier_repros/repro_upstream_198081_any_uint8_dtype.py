@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from upstream_corpus import awaiting_known_bad_pins, check, main
+from upstream_corpus import check, main
 
 ISSUE = 198081
 MECHANISM = "known_bad"
@@ -28,7 +28,6 @@ def make_inputs():
     return [torch.tensor([[0, 3], [0, 0]], dtype=torch.uint8)]
 
 
-@awaiting_known_bad_pins(FIXED_IN)
 def test_upstream_198081_any_uint8_dtype():
     assert not check(any_uint8, make_inputs)
 

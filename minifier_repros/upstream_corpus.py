@@ -35,12 +35,14 @@ def inductor_wrong(fixed_in: tuple[int, int] | None) -> bool:
     return fixed_in is None or compat.TORCH_VERSION < fixed_in
 
 
-# Two mechanisms are not wired into enn yet (issue #18): the guard's value check, and the graph
-# compiler's pinning of compat.known_miscompiles. Until they are, the scripts that rely on them
-# fail where Inductor is wrong. Strict: once the mechanism makes one pass, the mark must go.
+# Cases no enn mechanism covers yet (issue #18), marked strict: once one passes, its mark must go.
+# The guard's value check is wired and catches the others; these it misses (an index reduction's
+# integer values, which it compares by dtype and shape only; writes through aliases it does not see;
+# a decomposition applied before the graph reaches enn), and compat.known_miscompiles is not yet
+# pinned by the graph compiler.
 def awaiting_value_check(fixed_in: tuple[int, int] | None = None) -> Any:
     return pytest.mark.xfail(inductor_wrong(fixed_in), strict=True, raises=AssertionError,
-                             reason="needs the guard's value check (issue #18)")
+                             reason="the guard's value check does not catch this case yet (issue #18)")
 
 
 def awaiting_known_bad_pins(fixed_in: tuple[int, int] | None = None) -> Any:

@@ -88,9 +88,10 @@ def test_warm_start_is_a_guarded_reported_cache_hit(cold, tmp_path):
     assert all(g["counters"].get("checks") == 1 for g in rep["graphs"]), rep["graphs"]
 
 
-def test_fault_in_a_cache_loaded_graph_is_localized_after_a_fresh_trace(cold, tmp_path, caplog):
-    """A cached kernel that starts giving NaN: the guard traces the graph again (it has no copy
-    of a graph it did not compile), re-runs it eagerly and pins the culprit, as after a cold compile."""
+def test_fault_in_a_cache_loaded_graph_is_handled_after_a_fresh_trace(cold, tmp_path, caplog):
+    """A cached artifact that starts giving NaN: the guard traces the graph again (it has no copy
+    of a graph it did not compile), re-runs it eagerly, and recompiles it, as after a cold compile.
+    The fault lives in that artifact only, so the fresh compile does not have it: no node is blamed."""
     _check_fault_after_warm_start(*cold, tmp_path, caplog, "cpu")
 
 
@@ -127,9 +128,10 @@ def _check_fault_after_warm_start(cache, _report, loss_cold, grads_cold, tmp_pat
     assert "traced g0 again" in caplog.text
     rep = enn_backend.report().to_dict()
     (fb,) = rep["fallbacks"]
-    assert fb["kind"] == "nonfinite" and fb["phase"] == "forward" and fb["node"] != "<graph>", fb
+    assert fb["kind"] == "nonfinite" and fb["phase"] == "forward" and fb["node"] == "<graph>", fb
+    assert "did not reproduce" in fb["action"], fb
     g = next(g for g in rep["graphs"] if g["phase"] == "forward")
-    assert g["pinned"] and g["counters"]["pinned_in_graph"] == len(g["pinned"])
+    assert g["pinned"] == [] and g["counters"]["recompiles"] == 1
     assert forward.compiled is not broken
 
 

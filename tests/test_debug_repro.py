@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,21 +17,23 @@ from enn_backend import compat
 from enn_backend.debug import repro as R
 from enn_backend.debug.cli import minify_main, report_main
 from enn_backend.debug.minify import load_script, minify
-from enn_backend.debug.replay import EXIT_FAULT, EXIT_OK, EXIT_UNDECIDED, check, compare, run_repro
+from enn_backend.debug.replay import EXIT_FAULT, EXIT_OK, EXIT_SCRIPT_ERROR, EXIT_UNDECIDED, check, compare, run_repro
 
 FAULT = "aten.addmm:nan:fwd"
+SAVED_OPTIONS = {"attention": False, "epilogue": False, "fault_inject": FAULT}  # what the repro must carry
 
 
 @pytest.fixture(scope="module")
 def guarded_run(tmp_path_factory):
-    """One enn compile with an injected NaN: the guard blames addmm and writes a repro."""
+    """One enn compile with an injected NaN: the guard blames addmm and writes a repro.
+    Boolean options are on purpose: the script must spell them as Python (False, not false)."""
     torch._dynamo.reset()
     enn_backend.reset()
     repro_dir = tmp_path_factory.mktemp("repros")
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     x = torch.randn(3, 4)
-    opts = {"fault_inject": FAULT, "repro_dir": str(repro_dir), "persist": False}
+    opts = {**SAVED_OPTIONS, "repro_dir": str(repro_dir), "persist": False}
     with torch.no_grad():
         out = torch.compile(m, backend="enn", options=opts)(x)
         expected = m(x)
@@ -45,7 +51,7 @@ def test_guard_writes_one_repro_folder(guarded_run):
     assert sorted(os.listdir(folder)) == ["fault.json", "inputs.pt", "repro.py"]
     info = json.load(open(os.path.join(folder, "fault.json")))
     assert info["kind"] == "nonfinite" and info["phase"] == "inference" and info["nodes"] == ["addmm", "addmm_1"]
-    assert info["options"] == {"fault_inject": FAULT}
+    assert info["options"] == SAVED_OPTIONS
     saved = torch.load(os.path.join(folder, "inputs.pt"), weights_only=True)
     assert len(saved["inputs"]) == 5 and all(isinstance(t, torch.Tensor) for t in saved["inputs"])
 
@@ -58,6 +64,44 @@ def test_repro_reproduces_and_not_without_the_fault(guarded_run, capsys):
     assert "FAULT REPRODUCES (nonfinite)" in out and "where eager is finite" in out
     # Same graph and inputs without the injected fault: enn's fast path agrees with eager.
     assert run_repro(module, inputs, phase=script.PHASE, options={}) == EXIT_OK
+
+
+def _script_line(path, name: str) -> str:
+    return next(ln for ln in open(path).read().splitlines() if ln.startswith(f"{name} = "))[len(name) + 3:]
+
+
+def _run_script(path):
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=600)
+
+
+def test_repro_script_runs_standalone_with_boolean_options(guarded_run, tmp_path):
+    """The script's data are Python literals, and a reproducing fault has its own exit code."""
+    folder = tmp_path / "repro"
+    shutil.copytree(os.path.dirname(guarded_run["paths"][0]), folder)
+    assert ast.literal_eval(_script_line(folder / "repro.py", "OPTIONS")) == SAVED_OPTIONS
+    assert ast.literal_eval(_script_line(folder / "repro.py", "EXPECT"))["nodes"] == ["addmm", "addmm_1"]
+    res = _run_script(folder / "repro.py")
+    assert res.returncode == EXIT_FAULT, res.stdout + res.stderr[-3000:]
+    assert "FAULT REPRODUCES (nonfinite)" in res.stdout and "'epilogue': False" in res.stdout
+
+
+def test_repro_script_that_breaks_itself_exits_with_the_script_error_code(guarded_run, tmp_path, capsys):
+    """A script whose own machinery fails (unreadable inputs; code that does not run) exits 1,
+    Python's code for an uncaught exception: never the code of a reproducing fault."""
+    folder = tmp_path / "repro"
+    shutil.copytree(os.path.dirname(guarded_run["paths"][0]), folder)
+    (folder / "inputs.pt").write_bytes(b"not a torch.save file")
+    res = _run_script(folder / "repro.py")
+    assert res.returncode == EXIT_SCRIPT_ERROR != EXIT_FAULT, res.stdout + res.stderr[-3000:]
+    assert "SCRIPT ERROR" in res.stdout and "FAULT REPRODUCES" not in res.stdout
+    # The script as an older enn wrote it (JSON's `false` in Python source): the module itself fails.
+    script = folder / "repro.py"
+    options = _script_line(script, "OPTIONS")
+    script.write_text(script.read_text().replace(f"OPTIONS = {options}", f"OPTIONS = {json.dumps(SAVED_OPTIONS)}"))
+    res = _run_script(script)
+    assert res.returncode == EXIT_SCRIPT_ERROR and "NameError: name 'false' is not defined" in res.stderr, res.stderr
+    assert minify_main([str(folder)]) == 2  # the minifier says so instead of dying with a traceback
+    assert "cannot load" in capsys.readouterr().err
 
 
 def test_minify_isolates_the_blamed_node(guarded_run, tmp_path):

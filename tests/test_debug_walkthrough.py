@@ -6,7 +6,7 @@ default 0) followed by the output the doc shows. Each shown line must appear in 
 output (numbers may differ); a line starting with ``...`` must appear inside some line.
 
 It is also the end-to-end test of the debugging tools: an injected NaN in a transformer
-block makes the guard write a repro that exits 1 standalone, and ``minify`` shrinks it to
+block makes the guard write a repro that exits 3 (the fault reproduces) standalone, and ``minify`` shrinks it to
 a handful of nodes that still fail.
 """
 
@@ -68,14 +68,14 @@ def missing_lines(expected: list[str], output: str) -> list[str]:
 def test_parser_reads_the_walkthrough():
     files, steps = parse_walkthrough(DOC.read_text())
     assert "train.py" in files
-    assert [code for _, code, _ in steps] == [0, 0, 0, 1, 0, 1]
+    assert [code for _, code, _ in steps] == [0, 0, 0, 3, 0, 3]
     assert any("minify" in cmd for cmd, _, _ in steps)
 
 
 def test_missing_lines_rejects_wrong_output():
     assert missing_lines(["enn minify: nonfinite reproduces with 1 of 52 nodes"],
                          "enn minify: nonfinite reproduces with 3 of 60 nodes\n") == []
-    assert missing_lines(["FAULT REPRODUCES (nonfinite) (exit 1)"], "fault does not reproduce (exit 0)\n")
+    assert missing_lines(["FAULT REPRODUCES (nonfinite) (exit 3)"], "fault does not reproduce (exit 0)\n")
     assert missing_lines(["... node=erf"], "x node=mm y\n")
 
 
@@ -103,7 +103,7 @@ def test_walkthrough_commands(tmp_path):
 
 
 def _expect(script: Path) -> dict:
-    import json
+    import ast
 
     line = next(ln for ln in script.read_text().splitlines() if ln.startswith("EXPECT = "))
-    return json.loads(line[len("EXPECT = "):])
+    return ast.literal_eval(line[len("EXPECT = "):])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 import enn_backend
-from enn_backend.options import Options, OptionsError, options_table
+from enn_backend import options as options_module
+from enn_backend.options import OVERRIDE_ENV, Options, OptionsError, options_table
 
 from _models import assert_close_step, make, train_step
 
@@ -23,23 +25,83 @@ def test_unknown_option_names_valid_ones():
 
 
 def test_bad_values_are_clear_errors():
-    with pytest.raises(OptionsError, match="guard.*off, exceptions, nonfinite, strict"):
+    with pytest.raises(OptionsError, match="guard.*off, exceptions, nonfinite, values, strict"):
         Options.from_sources({"guard": "sometimes"}, environ={})
     with pytest.raises(OptionsError, match="ENN_GUARD_EVERY must be an integer"):
         Options.from_sources({}, environ={"ENN_GUARD_EVERY": "often"})
     with pytest.raises(OptionsError, match="ENN_DISABLE must be a boolean"):
         Options.from_sources({}, environ={"ENN_DISABLE": "maybe"})
-    with pytest.raises(OptionsError, match="unknown environment variable ENN_GAURD"):
-        Options.from_sources({}, environ={"ENN_GAURD": "off"})
     with pytest.raises(OptionsError, match="fault_inject kind"):
         Options.from_sources({"fault_inject": "aten.mm:boom"}, environ={})
 
 
-def test_precedence_defaults_then_options_then_env():
-    assert Options.from_sources({}, environ={}).guard == "nonfinite"
-    assert Options.from_sources({"guard": "strict"}, environ={}).guard == "strict"
+@pytest.mark.parametrize("value", [2.7, "2.7", 3.0, True, None, "3 calls"])
+def test_integer_options_reject_non_integers(value):
+    with pytest.raises(OptionsError, match=r"options\['guard_every'\] must be an integer"):
+        Options.from_sources({"guard_every": value}, environ={})
+    if isinstance(value, str):
+        with pytest.raises(OptionsError, match="ENN_GUARD_EVERY must be an integer"):
+            Options.from_sources({}, environ={"ENN_GUARD_EVERY": value})
+    with pytest.raises(OptionsError, match="guard_every must be an integer"):
+        Options(guard_every=value)
+
+
+def test_integer_options_take_integers_and_integer_strings():
+    assert Options.from_sources({"guard_every": 3, "guard_warmup": " 4 "}, environ={}).guard_every == 3
+    assert Options.from_sources({"guard_warmup": " 4 "}, environ={}).guard_warmup == 4
+    assert Options.from_sources({}, environ={"ENN_LOCALIZE_BUDGET": "8"}).localize_budget == 8
+
+
+def test_precedence_defaults_then_env_then_code():
+    assert Options.from_sources({}, environ={}).guard_every == 50
+    assert Options.from_sources({}, environ={"ENN_GUARD_EVERY": "7"}).guard_every == 7
+    assert Options.from_sources({"guard_every": 3}, environ={"ENN_GUARD_EVERY": "7"}).guard_every == 3
+    assert Options.from_sources({"cache_dir": "/code"}, environ={"ENN_CACHE_DIR": "/env"}).cache_dir == "/code"
+    assert Options.from_sources({}, mode="max-autotune", environ={"ENN_MODE": "reduce-overhead"}).mode == "max-autotune"
+    assert Options.from_sources({}, environ={"ENN_MODE": "reduce-overhead"}).mode == "reduce-overhead"
+
+
+def test_override_variables_beat_code():
+    """ENN_DISABLE and ENN_GUARD are for bisecting without editing code: they win both ways."""
+    assert set(OVERRIDE_ENV) == {"ENN_DISABLE", "ENN_GUARD"}
     assert Options.from_sources({"guard": "strict"}, environ={"ENN_GUARD": "off"}).guard == "off"
-    assert Options.from_sources({}, mode="max-autotune", environ={}).mode == "max-autotune"
+    assert Options.from_sources({"guard": "off"}, environ={"ENN_GUARD": "strict"}).guard == "strict"
+    assert Options.from_sources({"disable": False}, environ={"ENN_DISABLE": "1"}).disable is True
+    assert Options.from_sources({"disable": True}, environ={"ENN_DISABLE": "0"}).disable is False
+
+
+def test_readme_documents_the_override_variables():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    rule = next(p for p in readme.split("\n\n") if "Precedence" in p)
+    assert all(f"`{name}`" in rule for name in OVERRIDE_ENV), rule
+
+
+def test_unknown_env_variable_warns_once_and_is_ignored(monkeypatch, caplog):
+    monkeypatch.setattr(options_module, "_warned_env", set())
+    with caplog.at_level(logging.WARNING, logger="enn_backend.options"):
+        for _ in range(3):
+            opts = Options.from_sources({}, environ={"ENN_GAURD": "off", "ENN_GUARD_EVERY": "9"})
+    assert opts == Options(guard_every=9)
+    warned = [r.getMessage() for r in caplog.records if "ENN_GAURD" in r.getMessage()]
+    assert len(warned) == 1 and "ENN_GUARD" in warned[0].replace("ENN_GAURD", ""), warned
+
+
+def test_a_stray_env_variable_does_not_break_a_compile(monkeypatch, caplog):
+    monkeypatch.setattr(options_module, "_warned_env", set())
+    monkeypatch.setenv("ENN_GAURD", "off")
+    m, x = make("mlp")
+    with caplog.at_level(logging.WARNING, logger="enn_backend.options"):
+        y = torch.compile(m, backend="enn")(x)
+    torch.testing.assert_close(y, m(x))
+    assert "ignoring unknown environment variable ENN_GAURD" in caplog.text
+
+
+def test_each_test_has_its_own_enn_state(tmp_path):
+    """conftest.py gives every test its own kernel-state and repro folders (nothing is shared
+    with another test, nor with the user's ~/.cache/enn)."""
+    opts = Options.from_sources()
+    for folder in (opts.resolved_cache_dir(), opts.repro_dir):
+        assert os.path.commonpath([folder, str(tmp_path)]) == str(tmp_path), (folder, tmp_path)
 
 
 def test_codegen_hash_ignores_runtime_only_options():

@@ -298,3 +298,125 @@ def test_steady_state_screen_on_gpu_is_read_late_then_every_call_is_checked():
     kinds = [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]]
     assert kinds == ["nonfinite_late", "nonfinite"], kinds
     assert "call 4" in enn_backend.report().to_dict()["fallbacks"][0]["reason"]
+
+
+# ----------------------------------------------------------------------------- flaky kernels
+def test_intermittent_fault_grammar():
+    from enn_backend.guard.faults import FaultSpec, parse_fault_spec
+    from enn_backend.options import OptionsError
+
+    (spec,) = parse_fault_spec("aten.addmm:nan@3:fwd")
+    assert spec == FaultSpec("aten.addmm", "nan", "fwd", every=3) and spec.text == "aten.addmm:nan@3:fwd"
+    assert parse_fault_spec("aten.mm:raise")[0].every == 1
+    for bad, why in [("aten.mm:nan@1", "at least 2"), ("aten.mm:nan@2.5", "integer"), ("aten.mm:nan@", "integer"),
+                     ("aten.mm:raise@3:compile", "compile fault strikes once"), ("aten.mm:boom@3", "kind")]:
+        with pytest.raises(OptionsError, match=why):
+            parse_fault_spec(bad)
+
+
+def test_intermittent_fault_op_counts_calls_per_site():
+    import enn_backend.custom_ops  # noqa: F401  registers enn::fault
+
+    x = torch.ones(3)
+    hits = [bool(torch.isnan(torch.ops.enn.fault(x, "nan@3#t/forward/a")).all()) for _ in range(6)]
+    assert hits == [False, False, True, False, False, True]
+    assert not torch.isnan(torch.ops.enn.fault(x, "nan@3#t/forward/b")).any()  # another site: its own count
+    assert torch.equal(torch.ops.enn.fault(x, "nan@3#t/forward/a"), x)
+    with pytest.raises(ValueError, match="bad intermittent kind"):
+        torch.ops.enn.fault(x, "nan@x#t/forward/a")
+
+
+def test_localize_confirms_fault_free_trials_of_a_flaky_fault():
+    """A pin set that leaves the culprit compiled faults on every 3rd run only. Trusting one
+    fault-free run pins innocent nodes (the bisection follows the lucky runs); confirmed
+    verdicts find exactly the culprit group, and the action says what the re-runs cost."""
+    from enn_backend.guard.localize import localize
+
+    groups = [["mm", "mm_1"], ["addmm", "addmm_1"], ["mul", "mul_1", "mul_2"], ["erf"], ["add"]]
+    culprit = {"addmm", "addmm_1"}
+
+    def flaky(runs):
+        calls = {"n": 0}
+
+        def still_faulty(pins):
+            if culprit <= pins:
+                return False
+            calls["n"] += 1
+            return calls["n"] % 3 == 0
+
+        return localize(groups, still_faulty, budget=32, runs=runs)
+
+    trusting = flaky(runs=1)
+    assert set(trusting.pinned) != culprit  # what a single fault-free run leads to
+    loc = flaky(runs=3)
+    assert sorted(loc.pinned) == sorted(culprit), loc
+    assert loc.reruns > 0 and any(f"{loc.reruns} confirming re-run(s)" in n for n in loc.notes)
+
+
+def test_flaky_kernel_is_pinned_to_its_one_culprit(monkeypatch):
+    """Every addmm returns NaN on every 3rd call: the guard meets it on the 3rd step, confirms
+    its fault-free trials by re-running them (no recompile), pins the addmm nodes only, and
+    every step equals eager's."""
+    import re
+
+    from enn_backend.graph_compiler import GraphCompiler
+
+    trial_builds = []
+    build = GraphCompiler.build
+
+    def counting_build(self, *args, **kwargs):
+        trial_builds.extend([1] if kwargs.get("quiet") else [])
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphCompiler, "build", counting_build)
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "fault_inject": "aten.addmm:nan@3:fwd"})
+    for _ in range(6):
+        assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    rep = enn_backend.report().to_dict()
+    (fb,) = rep["fallbacks"]
+    fwd = next(g for g in rep["graphs"] if g["phase"] == "forward")
+    assert fb["kind"] == "nonfinite" and fb["graph"] == fwd["id"], fb
+    assert sorted(fwd["pinned"]) == ["addmm", "addmm_1"] == sorted(fb["node"].split(",")), fb
+    assert fwd["counters"]["faults"] == 1 and fwd["counters"]["calls"] == 6
+    trials, reruns = re.search(r"after (\d+) trial recompile.*; (\d+) confirming re-run", fb["action"]).groups()
+    assert int(reruns) > 0 and len(trial_builds) == int(trials), (len(trial_builds), fb["action"])
+
+
+# ----------------------------------------------------------------------------- fault_inject that plants nothing
+def test_fault_inject_that_plants_nothing_is_reported_per_unit(caplog):
+    """A spec that no graph of a compiled unit received is a WARNING and a report line with
+    the likely reason, decided once the graphs its phase reaches are compiled: a fwd spec
+    with the forward graph, a bwd/any spec with the (lazy) backward graph, or the inference
+    graph (no backward will come). A spec planted in some graphs of the unit only is fine."""
+    import logging
+
+    def not_planted():
+        return {f.reason.split("'")[1]: f for f in enn_backend.report().fallbacks if f.kind == "fault_not_planted"}
+
+    model, x = make("mlp")
+    specs = "aten.gelu:nan:fwd,aten.addmm:inf:bwd,aten.gleu:nan,aten.mm:nan"  # aten.mm: backward graph only
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard": "off", "fault_inject": specs})
+    with caplog.at_level(logging.WARNING, logger="enn_backend"):
+        out = compiled(x)
+        assert list(not_planted()) == ["aten.gelu:nan:fwd"]  # the others wait for the backward graph
+        out.square().mean().backward()
+    lines = not_planted()
+    assert sorted(lines) == ["aten.addmm:inf:bwd", "aten.gelu:nan:fwd", "aten.gleu:nan:any"]
+    gelu, addmm, typo = lines["aten.gelu:nan:fwd"], lines["aten.addmm:inf:bwd"], lines["aten.gleu:nan:any"]
+    assert gelu.graph == "g0/forward" and addmm.graph == typo.graph == "g0/backward"
+    assert "decomposed before faults are planted" in gelu.reason and "aten.erf" in gelu.reason, gelu.reason
+    assert "appears only in the forward graph" in addmm.reason, addmm.reason
+    assert "no op aten.gleu is registered" in typo.reason, typo.reason
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "fault_not_planted" in r.getMessage()]
+    assert len(warned) == 3 and all(any(spec in w for w in warned) for spec in lines), warned
+    assert torch.isnan(model.fc1.weight.grad).all()  # aten.mm's fault really was planted (guard off lets it through)
+
+    torch._dynamo.reset()  # an inference unit: a bwd spec is decided with its one graph
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard": "off",
+                                                            "fault_inject": "aten.addmm:nan:bwd,aten.addmm:inf:fwd"})
+    with torch.no_grad():
+        assert torch.isinf(compiled(x)).all()
+    bwd = not_planted()["aten.addmm:nan:bwd"]
+    assert bwd.graph == "g1/inference" and "only in the inference graph" in bwd.reason, bwd.reason
+    assert "aten.addmm:inf:fwd" not in not_planted()

@@ -145,3 +145,33 @@ def test_threads_share_one_ladder_and_blame_only_the_culprit():
     assert len(localized) == 1, rep["fallbacks"]
     for g in rep["graphs"]:
         assert g["pinned"] and all(n.startswith("erf") for n in g["pinned"]), g["pinned"]
+
+
+@pytest.mark.parametrize("phase,op", [("fwd", "aten.addmm"), ("bwd", "aten.mm")])
+def test_a_finite_perturbation_is_caught_by_the_value_check(phase, op):
+    """A kernel whose values are finite but 1% off: the value check on a graph's first call
+    compares it with eager, an fp64 run says eager is right, the culprit is localized and
+    pinned, and the step's results equal eager's."""
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "fault_inject": f"{op}:scale1.01:{phase}"})
+    for _ in range(2):
+        assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    rep = enn_backend.report().to_dict()
+    (fb,) = [f for f in rep["fallbacks"] if f["kind"] != "pinned_from_state"]
+    assert fb["kind"] == "value" and fb["phase"] == {"fwd": "forward", "bwd": "backward"}[phase], fb
+    g = next(g for g in rep["graphs"] if g["id"] == fb["graph"])
+    assert g["pinned"] and all(n.startswith(op.split(".")[1]) for n in g["pinned"]), g["pinned"]
+
+
+def test_values_that_only_the_reference_gets_wrong_blame_nobody():
+    """Compiled code closer to fp64 than eager (eager rounds an intermediate to bf16, the
+    compiled kernel keeps fp32): the values differ, but the reference is the outlier."""
+    def f(x):
+        return (x.to(torch.bfloat16) * 3.0).float() - x * 3.0
+
+    compiled = torch.compile(f, backend="enn", options={**ISOLATED, "guard": "values"})
+    x = torch.randn(64) * 100
+    compiled(x)
+    rep = enn_backend.report().to_dict()
+    assert rep["fallbacks"] == [] and rep["graphs"][0]["pinned"] == []
+    assert rep["graphs"][0]["counters"]["value_reference_outlier"] == 1  # they did differ

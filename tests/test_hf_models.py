@@ -23,6 +23,8 @@ import enn_backend
 
 transformers = pytest.importorskip("transformers")
 
+from _hf import no_dropout, step  # noqa: E402
+
 LAYERS = 2  # two layers: "every layer fused" is a count, not a yes/no
 ATTENTION_KERNELS = ("cpu_flash", "explicit", "cudnn", "flash", "efficient", "math", "flex")
 EMITTED = "ATen kernel itself"  # SDPA's kernel in the graph, no enn::attention around it
@@ -67,27 +69,19 @@ def _build(name: str, device: str):
     torch.manual_seed(0)
     model, extra = MODELS[name]()
     model.config.use_cache = False
-    for m in model.modules():  # dropout off: both runs must compute the same function
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
+    no_dropout(model)
     model.to(device).train()
     ids = torch.randint(0, 128, (2, 32), device=device)
     kwargs = {"input_ids": ids, "labels": ids, **{k: v.to(device) for k, v in extra.items()}}
     return model, kwargs
 
 
-def _step(run, model, kwargs, device_type: str, autocast: bool):
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
-        loss = run(**kwargs).loss
-    loss.backward()
-    return loss.detach().float(), {n: p.grad.detach().float() for n, p in model.named_parameters()}
-
-
 def _check(name: str, device: str, options: dict, autocast: bool) -> list[dict]:
     model, kwargs = _build(name, device)
     reference = copy.deepcopy(model)
-    loss, grads = _step(torch.compile(model, backend="enn", options=options), model, kwargs, torch.device(device).type, autocast)
-    want_loss, want_grads = _step(reference, reference, kwargs, torch.device(device).type, autocast)
+    got = step(torch.compile(model, backend="enn", options=options), model, kwargs, autocast)
+    want = step(reference, reference, kwargs, autocast)
+    loss, grads, want_loss, want_grads = got.loss, got.grads, want.loss, want.grads
     rep = enn_backend.report()
     assert rep.fusions().get("attention") == LAYERS, (name, str(rep))
     choices = [c for g in rep.to_dict()["graphs"] for c in g.get("kernel_choices", [])

@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +27,7 @@ _NO_IMPORT_SCRIPT = textwrap.dedent(
     assert len(enn_backend.report().graphs) == 1
     print("ENN_FROM", enn_backend.__file__)
     print("OPS_FROM", enn_backend.custom_ops.__file__)
+    print("TORCH", torch.__version__)
     """
 )
 
@@ -49,18 +51,28 @@ def test_wheel_has_only_enn_backend_at_top_level(wheel):
 
 
 def test_fresh_venv_compiles_with_backend_enn_without_import(wheel, tmp_path):
-    # --system-site-packages provides torch; the wheel is installed into the venv itself, and
-    # the test checks that the process really ran the venv's copy, not a development checkout.
+    # The wheel is installed into a fresh venv that sees nothing else; then a .pth file lends it
+    # the site-packages folders of the interpreter running this test (torch and its
+    # dependencies), as --system-site-packages would outside a venv (inside one, that flag lends
+    # the base interpreter's, which may have another torch or none). A .pth line only adds its
+    # folder to sys.path, after the venv's own: a development install of enn there (an editable
+    # finder) stays inert.
+    # The test checks that the process really ran the venv's copy, not a development checkout.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True,
                    capture_output=True, timeout=300)
+    venv_site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               check=True, capture_output=True, text=True).stdout.strip()
+    lent = [p for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
+    (Path(venv_site) / "lent_site_packages.pth").write_text("".join(p + "\n" for p in lent))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(py), "-c", _NO_IMPORT_SCRIPT], env=env, capture_output=True, text=True, timeout=300,
                          cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     site = str(venv)
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("ENN_FROM", "OPS_FROM")))
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("ENN_FROM", "OPS_FROM", "TORCH")))
     assert lines["ENN_FROM"].startswith(site), lines
     assert lines["OPS_FROM"].startswith(site) and "enn_backend/custom_ops" in lines["OPS_FROM"], lines
+    assert lines["TORCH"] == torch.__version__, lines  # the torch this suite tests, not another one

@@ -15,7 +15,7 @@ Two steps:
    (``torch._functorch.fx_minifier.minifier``) on the whole graph.
 
 The result is written as ``<repro folder>/minified/repro.py`` (+ inputs), itself a repro
-script with the same exit codes.
+script with the same exit codes and the same Python literals for its data.
 """
 
 from __future__ import annotations
@@ -63,7 +63,12 @@ def load_script(path: str) -> Any:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - any error in the script's own code: say which and where
+        del sys.modules[name]
+        raise MinifyError(f"cannot load {path}: {type(exc).__name__}: {exc} (the script itself is broken; "
+                          f"`python {path}` shows the traceback)") from exc
     for attr in ("PHASE", "OPTIONS", "make_module", "make_inputs"):
         if not hasattr(module, attr):
             raise MinifyError(f"{path} is not an enn repro script (no {attr})")

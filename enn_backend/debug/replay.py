@@ -13,8 +13,10 @@ fail for the same reason:
                  RMSE(compiled, fp64) > m * RMSE(eager, fp64) + tol/10, m = 2 for
                  fp32, 3 for fp16/bf16)
 
-Exit codes of :func:`run_repro`: 1 the fault reproduces, 0 it does not, 2 undecided
-(eager itself raises, or the inputs cannot be loaded).
+Exit codes of a repro script (:func:`run_repro`) are :data:`EXIT_CODES_DOC`: a verdict is
+0, 3 or 4; 1 (and 2) are what Python itself exits with when a script fails (an uncaught
+exception; a missing file or a bad command line), so a script that breaks before or
+outside the check can never read as "the fault reproduces".
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -33,7 +36,14 @@ import torch.fx as fx
 from .. import compat
 from ..guard.graph_edit import retarget_dtypes
 
-EXIT_OK, EXIT_FAULT, EXIT_UNDECIDED = 0, 1, 2
+EXIT_OK, EXIT_SCRIPT_ERROR, EXIT_FAULT, EXIT_UNDECIDED = 0, 1, 3, 4
+EXIT_CODES_DOC = """\
+3  the fault reproduces
+0  it does not: enn's fast path agrees with eager
+4  undecided: eager itself fails on these inputs
+1  the script itself failed (an exception in its own machinery: loading the inputs,
+   tracing the graph; Python exits 1 on any uncaught exception, so an error before
+   the check starts reads the same)"""
 FAULT_KINDS = ("compile", "exception", "nonfinite", "accuracy")
 
 # Tolerance (atol = rtol) per dtype for compiled vs eager, as torch's accuracy harness.
@@ -322,18 +332,20 @@ def check(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, opti
 # ----------------------------------------------------------------------------- the script's main
 def run_repro(module: Any, inputs: Any, *, phase: str, options: dict[str, Any],
               expect: dict[str, Any] | None = None) -> int:
-    """Run a repro and print what differs. Returns the exit code (1: the fault reproduces).
+    """Run a repro and print what differs. Returns the exit code (:data:`EXIT_CODES_DOC`).
 
     ``module`` / ``inputs`` may be zero-argument functions that build them: a failure while
-    building them (a missing file, a bad ENN_* variable) is then "undecided" (exit 2), never
-    mistaken for the fault reproducing.
+    building them (a corrupt inputs.pt, a bad ENN_* variable) is then the script's own
+    failure (exit 1), never mistaken for the fault reproducing.
     """
     try:
         return _run_repro(module() if _is_builder(module) else module,
                           inputs() if callable(inputs) else inputs, phase=phase, options=options, expect=expect)
     except Exception as exc:  # noqa: BLE001 - anything outside the checked run is not the fault
-        print(f"UNDECIDED: the repro could not run: {_one_line(exc)} (exit 2)")
-        return EXIT_UNDECIDED
+        traceback.print_exc()
+        print(f"SCRIPT ERROR: the repro itself failed, the fault was not checked: {_one_line(exc)} "
+              f"(exit {EXIT_SCRIPT_ERROR})")
+        return EXIT_SCRIPT_ERROR
 
 
 def _is_builder(obj: Any) -> bool:
@@ -354,12 +366,12 @@ def _run_repro(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str,
     for line in verdict.details:
         print(f"    {line}")
     if verdict.undecided:
-        print("UNDECIDED: eager itself fails on these inputs (exit 2)")
+        print(f"UNDECIDED: eager itself fails on these inputs (exit {EXIT_UNDECIDED})")
         return EXIT_UNDECIDED
     if verdict.failed:
-        print(f"FAULT REPRODUCES ({verdict.kind}) (exit 1)")
+        print(f"FAULT REPRODUCES ({verdict.kind}) (exit {EXIT_FAULT})")
         return EXIT_FAULT
-    print("fault does not reproduce: enn's fast path agrees with eager (exit 0)")
+    print(f"fault does not reproduce: enn's fast path agrees with eager (exit {EXIT_OK})")
     return EXIT_OK
 
 

@@ -7,7 +7,8 @@ default ``./enn_repros``), one folder per fault::
     enn_repros/g0-forward-nonfinite-addmm/
         repro.py     the ATen graph as inline Python, the options, and a __main__ that
                      runs enn's fast path (guard off) against eager and an fp64 run;
-                     exit 1 when the fault reproduces, 0 when not, 2 undecided
+                     exit 3 when the fault reproduces, 0 when not, 4 undecided, 1 when
+                     the script itself failed (enn_backend.debug.replay.EXIT_CODES_DOC)
         inputs.pt    the real inputs of the faulting call (torch.save; loaded with
                      weights_only=True). Left out above MAX_SAVED_BYTES: the script
                      then regenerates inputs from the metadata it carries.
@@ -15,6 +16,8 @@ default ``./enn_repros``), one folder per fault::
         fault.json   what happened: graph, phase, kind, message, blamed nodes, versions
 
 Nothing here or in the script uses pickle beyond ``torch.save``/``torch.load(weights_only=True)``.
+The script's data (``OPTIONS``, ``EXPECT``, ``INPUTS``, ``CONSTANTS``) are Python literals
+(:func:`py_literal`): JSON's ``true``/``false``/``null`` are not Python.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..report import atomic_write_text
-from .replay import clone_input, input_meta
+from .replay import EXIT_CODES_DOC, clone_input, input_meta
 
 MAX_SAVED_BYTES = 256 * 2**20  # inputs larger than this are regenerated from metadata
 INLINE_LITERAL_NUMEL = 64  # inline (corpus) repros spell out tensors up to this many elements
@@ -110,7 +113,32 @@ def _getattr(mod: torch.nn.Module, target: str) -> Any:
     return obj
 
 
-# ----------------------------------------------------------------------------- inputs -> source
+# ----------------------------------------------------------------------------- data -> source
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def py_literal(value: Any) -> str:
+    """``value`` as Python source: plain data only (dicts with string keys, lists, tuples,
+    str, int, float, bool, None), written with ``repr``, so ``False`` stays ``False``
+    (``json.dumps`` writes ``false``, a NameError in a script). Non-finite floats are
+    written ``nan`` / ``inf``: the script imports both from ``math``."""
+
+    def check(v: Any, where: str) -> None:
+        if isinstance(v, dict):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"enn repro: {where} has a key {k!r} that is not a string")
+                check(item, f"{where}[{k!r}]")
+        elif isinstance(v, (list, tuple)):
+            for i, item in enumerate(v):
+                check(item, f"{where}[{i}]")
+        elif not isinstance(v, _PLAIN):
+            raise TypeError(f"enn repro: {where} is a {type(v).__name__}, not plain data a script can spell")
+
+    check(value, "the value")
+    return repr(value)
+
+
 def _literal(t: torch.Tensor) -> str:
     dtype = str(t.dtype)
     values = t.detach().cpu().reshape(-1).tolist()
@@ -157,6 +185,7 @@ def script_source(gm: fx.GraphModule, inputs: Sequence[Any], *, phase: str, opti
     now = datetime.datetime.now().isoformat(timespec="seconds")
     from enn_backend import __version__
 
+    codes = "Exit codes:\n" + "\n".join("    " + ln for ln in EXIT_CODES_DOC.splitlines())
     if corpus_test:
         inline = True
         doc = f'''#!/usr/bin/env python
@@ -164,9 +193,11 @@ def script_source(gm: fx.GraphModule, inputs: Sequence[Any], *, phase: str, opti
 
 {corpus_doc.strip()}
 
-    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 1 while the
-                            fault still reproduces (0 once fixed upstream, 2 undecided)
+    python <this file>      enn's fast path (guard off) vs eager vs fp64: exit 3 while the
+                            fault still reproduces (exit codes below)
     pytest <this file>      enn's guard must handle it: eager's result, the report names it
+
+{codes}
 """
 '''
     else:
@@ -176,20 +207,21 @@ def script_source(gm: fx.GraphModule, inputs: Sequence[Any], *, phase: str, opti
 Written by enn {__version__} (torch {torch.__version__}) on {now}.
 
     python repro.py                       enn's fast path (guard off) vs eager vs fp64 on the
-                                          saved inputs: exit 1 if the fault reproduces, 0 if
-                                          not, 2 if undecided (eager fails too)
+                                          saved inputs (exit codes below)
     python repro.py --regenerate          same, with inputs regenerated from INPUTS (seed 0)
     python -m enn_backend minify <folder> shrink to the smallest graph that still fails
 
 ENN_* environment variables override OPTIONS (e.g. ENN_EPILOGUE=0 python repro.py).
+
+{codes}
 """
 '''
     parts = [doc, PREAMBLE, ""]
     parts.append(f"PHASE = {phase!r}")
-    parts.append(f"OPTIONS = {json.dumps(options, sort_keys=True)}")
-    parts.append(f"EXPECT = {json.dumps(expect, sort_keys=True)}")
-    parts.append("INPUTS = [\n" + "".join(f"    {json.dumps(m)},\n" for m in metas) + "]")
-    parts.append(f"CONSTANTS = {json.dumps(const_meta)}")
+    parts.append(f"OPTIONS = {py_literal(dict(sorted(options.items())))}")
+    parts.append(f"EXPECT = {py_literal(dict(sorted(expect.items())))}")
+    parts.append("INPUTS = [\n" + "".join(f"    {py_literal(m)},\n" for m in metas) + "]")
+    parts.append(f"CONSTANTS = {py_literal(const_meta)}")
     parts.append("HERE = os.path.dirname(os.path.abspath(__file__))\n\n")
     parts.append(classes + "\n")
     parts.append("def make_module():\n"

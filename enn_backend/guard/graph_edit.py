@@ -21,7 +21,9 @@ from .. import compat
 from .faults import FaultSpec, target_names
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
-_SKIP_TARGETS = {operator.getitem}
+# not kernels: a tuple's item, and the copy of a constant the graph holds (pinning it would hand
+# Inductor a real tensor where it traces with fake ones)
+_SKIP_TARGETS = {operator.getitem, torch.ops.aten.lift_fresh_copy.default}
 
 
 def _val(n: Any) -> Any:
@@ -140,7 +142,7 @@ def plant_faults(
         if out is None or not _val(out).is_floating_point():
             continue
         with graph.inserting_after(out):
-            f = graph.call_function(torch.ops.enn.fault.default, (out, spec.planted_kind()))
+            f = graph.call_function(torch.ops.enn.fault.default, (out, spec.planted_kind(f"{phase}/{n.name}")))
         f.meta["val"] = _val(out)
         out.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
         planted.append(n.name)
@@ -166,26 +168,33 @@ def has_low_precision(gm: fx.GraphModule) -> bool:
 
 
 def promote_to_fp32(gm: fx.GraphModule) -> fx.GraphModule:
-    """Copy of ``gm`` that computes in fp32 whatever it computed in fp16/bf16.
+    """Copy of ``gm`` that computes in fp32 whatever it computed in fp16/bf16."""
+    return promote(gm, torch.float32)
 
-    Low-precision inputs are cast up on entry, every dtype argument naming fp16/bf16
-    becomes fp32 (this undoes autocast's casts), and outputs are cast back to their
-    original dtype so the graph's callers see no change of contract.
+
+def promote(gm: fx.GraphModule, target: torch.dtype) -> fx.GraphModule:
+    """Copy of ``gm`` that computes in ``target`` whatever it computed in a narrower float dtype.
+
+    Narrower inputs are cast up on entry, every dtype argument naming a narrower float dtype
+    becomes ``target`` (for fp32 this undoes autocast's casts), and outputs are cast back to
+    their original dtype so the graph's callers see no change of contract. Writes into inputs
+    go to the cast copies: the promoted graph leaves a narrower input unchanged.
     """
+    narrower = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d.itemsize < target.itemsize)
     gm = copy_gm(gm)
     graph = gm.graph
     up = torch.ops.prims.convert_element_type.default
 
     def fix(x: Any) -> Any:
-        return retarget_dtypes(x, LOW_PRECISION, torch.float32)
+        return retarget_dtypes(x, narrower, target)
 
     out_node = next(n for n in graph.nodes if n.op == "output")
     for n in list(graph.nodes):
         if n.op == "placeholder":
             v = _val(n)
-            if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION:
+            if isinstance(v, torch.Tensor) and v.dtype in narrower:
                 with graph.inserting_after(n):
-                    c = graph.call_function(up, (n, torch.float32))
+                    c = graph.call_function(up, (n, target))
                 n.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
         elif n.op == "call_function" and n is not out_node:
             if getattr(n.target, "_schema", None) is not None and n.target._schema.name == "aten::view" and len(n.args) == 2 and isinstance(n.args[1], torch.dtype):
@@ -197,7 +206,7 @@ def promote_to_fp32(gm: fx.GraphModule) -> fx.GraphModule:
     new_outs = []
     for o in outs:
         v = _val(o)
-        if isinstance(v, torch.Tensor) and v.dtype in LOW_PRECISION:
+        if isinstance(v, torch.Tensor) and v.dtype in narrower:
             with graph.inserting_before(out_node):
                 o = graph.call_function(up, (o, v.dtype))
         new_outs.append(o)

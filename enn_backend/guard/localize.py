@@ -1,11 +1,18 @@
 """Find the smallest set of nodes whose safe path removes a fault.
 
-``still_faulty(pinned)`` recompiles the graph with ``pinned`` nodes on their safe
-path and re-runs it; each call is one *trial* (a recompile). Suspects are grouped by
-op (a broken kernel usually breaks every node of that op): groups first, then nodes
-inside the guilty groups, each by binary splitting that also finds several culprits.
-Past ``budget`` trials the smallest set seen to remove the fault is pinned: a larger pin
-set, never a wrong one.
+``still_faulty(pinned)`` runs the graph compiled with ``pinned`` nodes on their safe
+path: the first time for a pin set it recompiles (one *trial*), later calls for a pin set
+it found fault-free re-run the artifact it kept. Suspects are grouped by op (a broken
+kernel usually breaks every node of that op): groups first, then nodes inside the guilty
+groups, each by binary splitting that also finds several culprits. Past ``budget``
+trials the smallest set seen to remove the fault is pinned: a larger pin set, never a
+wrong one.
+
+A faulty run proves the fault survives a pin set; one fault-free run does not prove the
+opposite, since a flaky kernel passes some runs. So a pin set counts as fault-free only
+after ``runs`` fault-free runs of its artifact (re-runs cost no recompile), and the
+final pin set must pass ``runs`` more; if it does not, the first pin set found fault-free
+(the prime suspects, or every suspect) is pinned instead.
 """
 
 from __future__ import annotations
@@ -19,6 +26,9 @@ from typing import Callable, Sequence
 import torch.fx as fx
 
 
+CONFIRM_RUNS = 3  # fault-free runs of a trial's artifact before its pin set counts as fault-free
+
+
 class BudgetExhausted(Exception):
     pass
 
@@ -26,7 +36,8 @@ class BudgetExhausted(Exception):
 @dataclass
 class Localization:
     pinned: list[str]
-    trials: int
+    trials: int  # recompiles
+    reruns: int = 0  # runs of an artifact already built, to confirm a fault-free verdict
     exhausted: bool = False
     notes: list[str] = field(default_factory=list)
 
@@ -36,24 +47,36 @@ def localize(
     still_faulty: Callable[[frozenset[str]], bool],
     budget: int,
     prime: frozenset[str] = frozenset(),
+    runs: int = CONFIRM_RUNS,
 ) -> Localization | None:
     """Minimal pin set over ``groups`` (ordered, most suspect first), or None if
     pinning everything does not remove the fault (not a node-level fault).
 
     ``prime`` are the prime suspects (named by the failing kernel's traceback, or the
     nodes only bad outputs depend on): if pinning them removes the fault, the search
-    stays inside them.
+    stays inside them. ``runs``: fault-free runs that make a pin set fault-free.
     """
-    trials = 0
+    trials = reruns = 0
+    verdicts: dict[frozenset[str], bool] = {}  # each pin set is tried once
     everything = frozenset(n for g in groups for n in g)
     best = everything  # smallest pin set seen to remove the fault
 
+    def passes_reruns(pins: frozenset[str], n: int) -> bool:
+        nonlocal reruns
+        for _ in range(n):
+            reruns += 1
+            if still_faulty(pins):
+                return False
+        return True
+
     def faulty(pins: frozenset[str], free: bool = False) -> bool:
         nonlocal trials, best
+        if pins in verdicts:
+            return verdicts[pins]
         if trials >= budget and not free:
             raise BudgetExhausted
         trials += 1
-        bad = still_faulty(pins)
+        bad = verdicts[pins] = still_faulty(pins) or not passes_reruns(pins, runs - 1)
         if not bad and len(pins) <= len(best):
             best = pins
         return bad
@@ -62,8 +85,10 @@ def localize(
         return None
     prime = prime & everything
     notes: list[str] = []
+    start = everything  # the first pin set found fault-free: the fallback if the final one fails
     if prime and prime != everything and not faulty(prime, free=True):
         groups = [[n for n in g if n in prime] for g in groups]
+        start = prime
         notes.append(f"prime suspects ({len(prime)} nodes) confirmed")
     elif faulty(everything, free=True):  # always tried, even with budget 0
         return None
@@ -96,7 +121,16 @@ def localize(
         result.notes.append(
             f"localization budget of {budget} recompiles exhausted; pinned the smallest fault-free set found ({len(best)} nodes)"
         )
-    result.trials = trials
+    final = frozenset(result.pinned)
+    if faulty(final, free=True) or not passes_reruns(final, runs):
+        if final == start:
+            return None
+        result.notes.append(f"the pin set found ({len(result.pinned)} nodes) faulted again on a confirming re-run; "
+                            f"pinned the first fault-free set instead ({len(start)} nodes)")
+        result.pinned = sorted(start)
+    result.trials, result.reruns = trials, reruns
+    result.notes.append(f"{reruns} confirming re-run(s): a pin set counts as fault-free after {runs} clean runs, "
+                        f"the final one after {runs} more")
     return result
 
 

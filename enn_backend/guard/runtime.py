@@ -20,9 +20,9 @@ from .. import compat
 from ..report import FallbackKind, GraphRecord, report
 from . import graph_edit as E
 from .kernel_state import graph_key, node_key
-from .localize import Localization, localize, suspects_from_traceback
-from .screen import (LateScreen, allowance, divergent, nonfinite_inputs, nonfinite_outputs, outputs,
-                     single_cuda_device)
+from .localize import CONFIRM_RUNS, Localization, localize, suspects_from_traceback
+from .screen import (LateScreen, allowance, compiled_is_worse, divergent, diverging, nonfinite_inputs,
+                     nonfinite_outputs, outputs, single_cuda_device)
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,14 @@ class GuardedGraph:
         self.every = self.opts.guard_every
         self.warmup = self.opts.guard_warmup
         self.checks_outputs = self.mode != "exceptions"
+        # value checks: every checked call in "values" mode, else the first call of each
+        # artifact and every `guard_values`-th call; never where random draws differ by design
+        self.value_every = 0 if (self.mode == "exceptions" or compiler.random) else self.opts.guard_values
+        self.values_always = self.mode == "values" and not compiler.random
+        # a graph loaded from AOTAutograd's cache was checked when it was compiled; checking its
+        # first call again would trace it again, which a warm start exists to avoid
+        self.first_call_values = not compiler.from_cache
+        self.low_precision: bool | None = None  # does the graph compute in fp16/bf16? (on the first value check)
         self.keep_inputs = self.mode == "exceptions"  # exceptions mode may re-run any call
         self.counters = record.counters  # the report's counters for this graph, updated per call
         self.calls = 0
@@ -129,8 +137,11 @@ class GuardedGraph:
         # every call while the artifact is new (first calls are where kernel faults show),
         # then every `guard_every`-th call
         warm = self.since_build <= self.warmup
-        check = self.checks_outputs and (warm or self.calls % self.every == 0)
-        later = check and not warm and self.screen_later and not _distributed()
+        values = self.value_every and ((self.since_build == 1 and self.first_call_values)
+                                       or self.calls % self.value_every == 0)
+        check = self.checks_outputs and (warm or values or self.calls % self.every == 0)
+        values = check and (values or self.values_always)
+        later = check and not warm and not values and self.screen_later and not _distributed()
         generation = self.generation
         if later or not (check or self.keep_inputs):
             # An unchecked call holds no reference to the inputs: the compiled code's
@@ -167,11 +178,13 @@ class GuardedGraph:
         if exc is None and not check and not _distributed():
             return out
         # outside the `except`: an error the ladder raises is not chained to the kernel's
-        return self._after(out, exc, call, check)
+        return self._after(out, exc, call, check, values)
 
-    def _after(self, out: Any, exc: BaseException | None, call: "_Call", check: bool) -> Any:
+    def _after(self, out: Any, exc: BaseException | None, call: "_Call", check: bool, values: bool = False) -> Any:
         """The rest of a call that raised, is checked, or runs under torch.distributed."""
         bad = nonfinite_outputs(out, self.allowed) if (exc is None and check) else []
+        if values and exc is None and not bad and not _distributed():
+            return self._check_values(out, call)
         if exc is None and check and not self.screen_later and compat.is_cuda_available():
             self.screen_later = single_cuda_device(out)
         level = _EXCEPTION if exc is not None else (_NONFINITE if bad else _OK)
@@ -247,6 +260,27 @@ class GuardedGraph:
         if call.rng is not None:
             call.rng.restore()
 
+    def _reference(self, call: "_Call") -> tuple[Any, BaseException | None]:
+        """Run the eager reference on this call's inputs (restored first). What it writes into
+        inputs and leaves in the RNG is kept on ``call``, so the ladder can leave them as
+        the reference left them after its trials ran (see _settle)."""
+        self._restore(call)
+        ref, exc = self._run_eager(self.compiler.safe_gm(), call.inputs)
+        if exc is None:
+            call.after = ([call.inputs[i].clone() for i in self.written],
+                          _RngSnapshot() if call.rng is not None else None)
+        return ref, exc
+
+    def _settle(self, call: "_Call") -> None:
+        """Inputs and RNG as the reference run left them (trials ran after it)."""
+        if call.after is None:
+            return
+        written, rng = call.after
+        for i, t in zip(self.written, written):
+            call.inputs[i].copy_(t)
+        if rng is not None:
+            rng.restore()
+
     def _run_eager(self, gm: torch.fx.GraphModule, inputs: list) -> tuple[Any, BaseException | None]:
         try:
             with _no_autocast(), torch.no_grad():
@@ -254,6 +288,62 @@ class GuardedGraph:
             return list(out) if isinstance(out, (list, tuple)) else [out], None
         except Exception as exc:  # noqa: BLE001
             return None, exc
+
+    def _check_values(self, out: Any, call: "_Call") -> Any:
+        """Compare this call's results -- outputs and writes into inputs -- with the reference's."""
+        rec = self.record
+        rec.counters["value_checks"] = rec.counters.get("value_checks", 0) + 1
+        mutated = self.compiler.mutated
+        written = [call.inputs[i].clone() for i in mutated]  # what the compiled call wrote
+        self._full_compiler("a value check")
+        ref, ref_exc = self._reference(call)
+        if ref_exc is not None:
+            log.warning("enn: graph %s: the value check's eager run raised (%s: %s); compiled result kept",
+                        rec.id, type(ref_exc).__name__, ref_exc)
+            return out
+        flat = outputs(out)
+        ref_written = [call.inputs[i].clone() for i in mutated]
+        if self.low_precision is None:
+            self.low_precision = E.has_low_precision(self.compiler.eager_gm)
+        off = diverging(list(flat) + written, ref + ref_written, self.low_precision)
+        if not off:
+            for i, t in zip(mutated, written):  # the inputs keep what the compiled call wrote
+                call.inputs[i].copy_(t)
+            return out
+        with _LADDER:
+            if not self._compiled_is_wrong(call, list(flat) + written, ref + ref_written, off):
+                # the reference is the outlier (compiled is as close to fp64): nobody is blamed
+                rec.counters["value_reference_outlier"] = rec.counters.get("value_reference_outlier", 0) + 1
+                log.info("enn: graph %s: compiled results %s differ from eager's, but no further from fp64: kept",
+                         rec.id, off)
+                for i, t in zip(mutated, written):
+                    call.inputs[i].copy_(t)
+                return out
+            self._count_fault()
+            n_out = len(flat)
+            where = [f"output {i}" if i < n_out else f"input {mutated[i - n_out]} (written in place)" for i in off]
+            what = f"finite values differ from eager's beyond tolerance ({', '.join(where[:6])})"
+            return self._kernel_fault("value", what, call, None, ref, [i for i in off if i < n_out] or off)
+
+    def _compiled_is_wrong(self, call: "_Call", got: list, ref: list, off: list[int]) -> bool:
+        """Judge a disagreement with an fp64 run of the reference. Without one (an op with no
+        fp64 kernel) nobody is blamed: a tolerance alone cannot tell a wrong kernel from a
+        reference that rounds differently."""
+        if any(not (isinstance(got[i], torch.Tensor) and isinstance(ref[i], torch.Tensor))
+               or got[i].dtype != ref[i].dtype or got[i].shape != ref[i].shape for i in off):
+            return True  # a dtype or shape eager does not give is wrong whatever the values
+        self._restore(call)
+        try:
+            ref64, exc64 = self._run_eager(self.compiler.fp64_gm(), call.inputs)
+        except Exception as exc:  # noqa: BLE001 - building the fp64 graph failed
+            ref64, exc64 = None, exc
+        if exc64 is not None:
+            log.info("enn: graph %s: no fp64 run to judge a value difference (%s: %s); nobody blamed",
+                     self.record.id, type(exc64).__name__, exc64)
+            return False
+        ref64 += [call.inputs[i] for i in self.compiler.mutated]  # (the fp64 graph writes into copies)
+        return any(compiled_is_worse(got[i], ref[i], ref64[i], bool(self.low_precision))
+                   for i in off if i < len(ref64))
 
     def _on_fault(self, kind: str, call: "_Call", exc: BaseException | None = None, bad: list | None = None,
                   out: Any = None) -> Any:
@@ -266,8 +356,7 @@ class GuardedGraph:
         else:
             what = "NaN/Inf in compiled output"
         self._full_compiler(what)
-        self._restore(call)
-        ref, ref_exc = self._run_eager(self.compiler.safe_gm(), call.inputs)
+        ref, ref_exc = self._reference(call)
         rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
         if ref_exc is not None:
             self._count_fault()
@@ -308,6 +397,7 @@ class GuardedGraph:
         must not reach AOTAutograd's cache (enn_backend.aot_cache) if that saves it later."""
         self.compiled, self.since_build = new, 0
         self.generation += 1
+        self.first_call_values = True
         self.__dict__.pop("_fx_graph_cache_key", None)
 
     def _kernel_fault(self, kind: str, what: str, call: "_Call", exc: BaseException | None, ref: list,
@@ -316,7 +406,8 @@ class GuardedGraph:
         t0 = time.perf_counter()
 
         def still_faulty(pins: frozenset[str]) -> bool:
-            compiled = self.compiler.build(extra_pins=pins, quiet=True)
+            # a pin set found fault-free before re-runs its kept artifact (localize confirms)
+            compiled = trial_cache.pop(pins, None) or self.compiler.build(extra_pins=pins, quiet=True)
             self._restore(call)
             try:
                 out = compiled(list(call.inputs))
@@ -324,24 +415,32 @@ class GuardedGraph:
                 raise
             except Exception:  # noqa: BLE001
                 return _agree(True)
-            # a trial is judged against the reference: NaN/Inf it makes where eager does not
+            # a trial is judged against the reference: NaN/Inf it makes where eager does not, or
+            # for a value fault, any value off eager's
             flat = outputs(out)
-            faulty = kind == "nonfinite" and bool(divergent(flat, ref, nonfinite_outputs(flat))[0])
+            if kind == "value":
+                faulty = bool(diverging(list(flat)[:len(ref)], ref, bool(self.low_precision)))
+            else:
+                faulty = kind == "nonfinite" and bool(divergent(flat, ref, nonfinite_outputs(flat))[0])
             if _distributed():
                 faulty = _agree(faulty)
             if not faulty:
                 trial_cache[pins] = compiled
             return faulty
 
+        def reproduces(pins: frozenset[str]) -> bool:
+            # a flaky kernel passes some runs: a clean verdict needs every confirming run clean
+            return any(still_faulty(pins) for _ in range(CONFIRM_RUNS))
+
         trial_cache: dict[frozenset[str], Any] = {}
         known = self.compiler.recorded_pins()
-        if known and not still_faulty(known):
+        if known and not reproduces(known):
             # kernel state learned these kernels' fault since this graph was compiled
             loc, nodes, new = Localization(pinned=sorted(known), trials=1), ",".join(sorted(known)), trial_cache[known]
             action = (f"pinned {len(known)} node(s) whose kernels kernel state records as faulty, after 1 trial "
                       f"recompile in {time.perf_counter() - t0:.1f}s")
             localized = False  # the graph that localized them wrote the repro
-        elif not still_faulty(frozenset()):
+        elif not reproduces(frozenset()):
             # A fresh compile of the same graph, with the same pins, runs this call cleanly: the
             # fault was in the artifact or transient, and no node can be blamed on this evidence.
             loc, nodes, localized = None, "<graph>", False
@@ -352,7 +451,14 @@ class GuardedGraph:
             groups, prime = self._suspects(kind, bad, exc)
             loc, localized = localize(groups, still_faulty, self.opts.localize_budget, prime), True
             elapsed = time.perf_counter() - t0
-            if loc is None:
+            if loc is None and kind == "value":
+                # no pin set brings the values to eager's: the difference is not a node's, so it
+                # is not a kernel fault this check can prove; the compiled graph stays
+                nodes, new = "<graph>", self.compiled
+                action = ("kept the compiled graph: pinning every node did not bring its values to eager's, so no "
+                          "kernel is at fault on this evidence; value checks of this graph are off from now on")
+                self.value_every, self.values_always = 0, False
+            elif loc is None:
                 nodes, action = "<graph>", "graph runs eagerly from now on (pinning every node did not remove the fault)"
                 new = self.compiler.eager_callable()
                 rec.path = "eager"
@@ -372,11 +478,13 @@ class GuardedGraph:
         if self.mode == "strict":
             raise EnnGuardError(
                 f"enn (guard=strict): {kind} in compiled graph {rec.id} (phase {phase}) at node(s) {nodes}: {what}. "
-                f"Eager gives a finite result, so the compiled kernel is at fault. Set guard='nonfinite' to fall back automatically."
+                f"Eager's result is right where the compiled one is not, so the compiled kernel is at fault. "
+                f"Set guard='nonfinite' to fall back automatically."
             ) from exc
         R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action)
         self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
         self._adopt(new)
+        self._settle(call)
         if localized:
             mutated = None if call.snapshot is None else [call.snapshot[self.written.index(i)] for i in self.compiler.mutated]
             self.compiler.write_repro(kind=kind, what=what, inputs=call.inputs, snapshot=mutated, nodes=nodes)
@@ -481,9 +589,11 @@ class GuardedGraph:
 
 class _Call:
     """What the ladder needs of one call: its inputs (None when not held), copies of the inputs
-    it may write into, the RNG state before it, and the fast path's generation it ran on."""
+    it may write into, the RNG state before it, the fast path's generation it ran on, and what
+    the reference run left in the inputs and the RNG."""
 
-    __slots__ = ("inputs", "snapshot", "rng", "generation")
+    __slots__ = ("inputs", "snapshot", "rng", "generation", "after")
 
     def __init__(self, inputs: list | None, snapshot: list | None, rng: _RngSnapshot | None, generation: int) -> None:
         self.inputs, self.snapshot, self.rng, self.generation = inputs, snapshot, rng, generation
+        self.after: tuple[list, _RngSnapshot | None] | None = None  # what the reference run left

@@ -125,12 +125,18 @@ _TOLERANCE = {torch.float16: (1e-2, 1e-2), torch.bfloat16: (5e-2, 5e-2)}
 _TOLERANCE_FP32 = (1e-4, 1e-5)  # (rtol, atol)
 
 
-def finite_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _tolerance(dtype: torch.dtype, low_precision: bool) -> tuple[float, float]:
+    """(rtol, atol) for values of ``dtype``; a graph that computes in fp16/bf16 anywhere gets the
+    bf16 band for all its outputs (an fp32 log-sum-exp of bf16 scores is only as exact as they are)."""
+    return _TOLERANCE[torch.bfloat16] if low_precision else _TOLERANCE.get(dtype, _TOLERANCE_FP32)
+
+
+def finite_close(a: torch.Tensor, b: torch.Tensor, low_precision: bool = False) -> bool:
     """The finite values of ``a`` and ``b`` agree within the tolerance of their dtype (the
     non-finite places are compared by :func:`same_nonfinite`)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    rtol, atol = _TOLERANCE.get(a.dtype, _TOLERANCE_FP32)
+    rtol, atol = _tolerance(a.dtype, low_precision)
     keep = torch.isfinite(a) & torch.isfinite(b)
     x, y = a[keep].double(), b[keep].double()
     scale = y.abs().max().item() if y.numel() else 0.0
@@ -157,3 +163,44 @@ def allowance(ref: torch.Tensor) -> str | None:
         return None
     pos, neg = bool(torch.isposinf(ref).any()), bool(torch.isneginf(ref).any())
     return {(True, True): "inf", (True, False): "+inf", (False, True): "-inf"}.get((pos, neg))
+
+
+def same_values(a: Any, b: Any, low_precision: bool = False) -> bool:
+    """Same dtype and shape, NaN/Inf at the same places, other values within the dtype's
+    tolerance. Integer and boolean outputs (indices, counts, block masks a kernel saves for its
+    backward) are compared by dtype and shape only: their values are not results a model
+    returns, and a kernel may lay out its bookkeeping differently from eager."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a == b
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return True
+    return same_nonfinite(a, b) and finite_close(a, b, low_precision)
+
+
+def diverging(out: list, ref: list, low_precision: bool = False) -> list[int]:
+    """Indices of the outputs whose values differ from the reference's (see same_values)."""
+    return [i for i, (a, b) in enumerate(zip(out, ref)) if not same_values(a, b, low_precision)]
+
+
+def _rmse(a: torch.Tensor, b: torch.Tensor) -> float:
+    keep = torch.isfinite(a) & torch.isfinite(b)
+    d = a[keep].double() - b[keep].double()
+    return float(d.square().mean().sqrt()) if d.numel() else 0.0
+
+
+def compiled_is_worse(out: torch.Tensor, ref: torch.Tensor, ref64: torch.Tensor, low_precision: bool = False) -> bool:
+    """Is the compiled value further from the fp64 run than the reference is? (torch's own
+    accuracy rule: RMSE(compiled) > m * RMSE(reference) + atol / 10, m = 2 for fp32 and 3 for
+    fp16/bf16, so the reference's own rounding is never held against the compiled code).
+    A dtype or shape the reference does not have is always worse."""
+    if out.dtype != ref.dtype or out.shape != ref.shape:
+        return True
+    if not out.is_floating_point():
+        return False
+    if not same_nonfinite(out, ref):  # worse when the reference has its NaN/Inf where fp64 does
+        return same_nonfinite(ref, ref64.to(ref.dtype))
+    m = 3.0 if (low_precision or out.dtype in _TOLERANCE) else 2.0
+    atol = _tolerance(out.dtype, low_precision)[1]
+    return _rmse(out, ref64) > m * _rmse(ref, ref64) + atol / 10

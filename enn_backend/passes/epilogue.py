@@ -45,7 +45,8 @@ from enn_backend.custom_ops import gemm as G
 
 from .. import compat
 from ..report import FallbackKind, report
-from . import EnnPass, PassContext
+from .fx_utils import VIEWS, ancestors, insert, is_call, val
+from .manager import EnnPass, PassContext
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +57,7 @@ _MAX_CLOSURE = 64  # pointwise nodes examined per GEMM
 _PROBE = torch.cat([torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
                     torch.tensor([0.0, 1e-3, -1e-3, 0.3, -0.3, 12.5, -12.5], dtype=torch.float64)])
 _REFERENCES = {act: G.ACT_FN[act](_PROBE) for act in G.ACTIVATIONS}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
-
-
-def _val(n: Any) -> Any:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
-def _is_call(n: Any, targets: Any) -> bool:
-    return isinstance(n, fx.Node) and n.op == "call_function" and n.target in targets
 
 
 # ----------------------------------------------------------------- step 1: the GEMM source
@@ -85,29 +77,29 @@ class Source:
 
 def find_source(n: fx.Node) -> Source | None:
     """``n`` as the GEMM of a linear layer (see the module doc), or None."""
-    if _is_call(n, {aten.addmm.default}):
+    if is_call(n, aten.addmm.default):
         if len(n.args) > 3 or n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
             return None
         bias, x, w_t = n.args[:3]
         if not _is_vector_bias(bias, n):
             return None
         src = Source(n, x, w_t, bias, [n])
-    elif _is_call(n, {aten.mm.default}):
+    elif is_call(n, aten.mm.default):
         src = Source(n, n.args[0], n.args[1], None, [n])
     else:
         return None
-    if not (_val(src.x) is not None and _val(src.x).dim() == 2 and _val(src.w_t) is not None and _val(src.w_t).dim() == 2):
+    if not (val(src.x) is not None and val(src.x).dim() == 2 and val(src.w_t) is not None and val(src.w_t).dim() == 2):
         return None
     cur = src.out
     if len(cur.users) == 1:
         (u,) = cur.users
-        if _is_call(u, _VIEWS) and _same_last_dim(u, cur):
+        if is_call(u, *VIEWS) and _same_last_dim(u, cur):
             src.nodes.append(u)
             src.view_size = u.args[1]
             cur = u
     if src.bias is None and len(cur.users) == 1:
         (u,) = cur.users
-        if _is_call(u, {aten.add.Tensor}) and len(u.args) == 2 and not u.kwargs:
+        if is_call(u, aten.add.Tensor) and len(u.args) == 2 and not u.kwargs:
             other = u.args[1] if u.args[0] is cur else u.args[0]
             if other is not cur and _is_vector_bias(other, src.gemm):
                 src.bias = other
@@ -116,13 +108,13 @@ def find_source(n: fx.Node) -> Source | None:
 
 
 def _is_vector_bias(b: Any, gemm: fx.Node) -> bool:
-    bv, gv = _val(b), _val(gemm)
+    bv, gv = val(b), val(gemm)
     return (isinstance(bv, torch.Tensor) and isinstance(gv, torch.Tensor) and bv.dim() == 1
             and bv.shape[0] == gv.shape[-1])
 
 
 def _same_last_dim(view: fx.Node, base: fx.Node) -> bool:
-    v, b = _val(view), _val(base)
+    v, b = val(view), val(base)
     return isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[-1] == b.shape[-1]
 
 
@@ -207,10 +199,10 @@ def find_match(src: Source) -> Match | None:
     with compat.real_tensor_mode():
         values = _closure(src.out)
         acts = {n: fingerprint(v) for n, v in values.items() if n is not src.out}
-    gemm_val = _val(src.out)
+    gemm_val = val(src.out)
     cands = []
     for n, act in acts.items():
-        nv = _val(n)
+        nv = val(n)
         if act and isinstance(nv, torch.Tensor) and nv.dtype == gemm_val.dtype and nv.shape == gemm_val.shape:
             cands.append((n, act))
     if not cands:
@@ -219,15 +211,7 @@ def find_match(src: Source) -> Match | None:
     out, act = min(cands, key=lambda c: order[c[0]])
     # the chain: closure nodes and source nodes that out depends on
     pool = set(values) | set(src.nodes)
-    chain: set[fx.Node] = set()
-    stack = [out]
-    while stack:
-        n = stack.pop()
-        if n in chain:
-            continue
-        chain.add(n)
-        stack.extend(a for a in n.all_input_nodes if a in pool)
-    chain |= set(src.nodes)
+    chain = ancestors([out], within=pool.__contains__) | set(src.nodes)
     outside = sorted({u for n in chain if n is not out for u in n.users if u not in chain}, key=order.get)
     return Match(src, out, act, sorted(chain, key=order.get), outside)
 
@@ -263,7 +247,7 @@ class EpiloguePass(EnnPass):
             matches += 1
             ctx.fusion("epilogue")
             ctx.kernel_choice(new.name, choice.kernel, choice.reason, act=m.act,
-                              dtype=str(_val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name)
+                              dtype=str(val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name)
             log.debug("enn epilogue: %s + %s (%s) -> %s [%s]", n.name, m.act, m.out.name, new.name, choice.kernel)
         for reason, nodes in skipped.items():
             report().add_fallback(
@@ -281,7 +265,7 @@ class EpiloguePass(EnnPass):
             names = ", ".join(u.name for u in m.outside[:3])
             return False, (f"the pre-activation is also read by {len(m.outside)} other node(s) ({names}), "
                            "e.g. the activation's backward; the fused kernel does not return it"), None
-        gv, bv = _val(m.src.gemm), _val(m.src.bias)
+        gv, bv = val(m.src.gemm), val(m.src.bias)
         problem = G.GemmProblem(device_type=gv.device.type, dtype=gv.dtype, act=m.act,
                                 has_bias=bv is not None, bias_dtype_matches=bv is None or bv.dtype == gv.dtype,
                                 autotune=G.autotuning())
@@ -294,27 +278,19 @@ class EpiloguePass(EnnPass):
 def rewrite(graph: fx.Graph, m: Match) -> fx.Node:
     """Replace the chain GEMM..out by ``enn::gemm_bias_act`` (+ the view back)."""
     src, out = m.src, m.out
-    fake_mode = getattr(_val(src.gemm), "fake_mode", None)
-    with graph.inserting_before(out):
-        if _is_call(src.w_t, {aten.permute.default}) and list(src.w_t.args[1]) == [1, 0]:
-            weight = src.w_t.args[0]
-        elif _is_call(src.w_t, {aten.t.default}):
-            weight = src.w_t.args[0]
-        else:
-            weight = graph.call_function(aten.permute.default, (src.w_t, [1, 0]))
-            with _maybe(fake_mode):
-                weight.meta["val"] = _val(src.w_t).permute(1, 0)
-        new = graph.call_function(torch.ops.enn.gemm_bias_act.default, (src.x, weight, src.bias, m.act))
-        with _maybe(fake_mode):
-            new.meta["val"] = torch.ops.enn.gemm_bias_act.default(_val(src.x), _val(weight), _val(src.bias), m.act)
-        result = new
-        if src.view_size is not None:
-            result = graph.call_function(aten.view.default, (new, src.view_size))
-            with _maybe(fake_mode):
-                result.meta["val"] = _val(new).view(_val(out).shape)
-    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in out.meta:
-            new.meta[key] = out.meta[key]
+    mode = getattr(val(src.gemm), "fake_mode", None)  # graphs traced without fake values have none
+    if is_call(src.w_t, aten.permute.default) and list(src.w_t.args[1]) == [1, 0]:
+        weight = src.w_t.args[0]
+    elif is_call(src.w_t, aten.t.default):
+        weight = src.w_t.args[0]
+    else:
+        weight = insert(graph, aten.permute.default, (src.w_t, [1, 0]), before=out, mode=mode)
+    meta = {key: out.meta[key] for key in ("stack_trace", "nn_module_stack", "source_fn_stack") if key in out.meta}
+    new = insert(graph, torch.ops.enn.gemm_bias_act.default, (src.x, weight, src.bias, m.act), before=out, mode=mode,
+                 meta=meta)
+    result = new
+    if src.view_size is not None:
+        result = insert(graph, aten.view.default, (new, src.view_size), before=out, mode=mode)
     out.replace_all_uses_with(result)
     for n in reversed(m.chain):
         if not n.users:
@@ -322,21 +298,6 @@ def rewrite(graph: fx.Graph, m: Match) -> fx.Node:
     if src.w_t.op == "call_function" and not src.w_t.users:
         graph.erase_node(src.w_t)
     return new
-
-
-class _maybe:
-    """``with fake_mode`` when there is one (graphs traced without fake values have none)."""
-
-    def __init__(self, mode: Any) -> None:
-        self.mode = mode
-
-    def __enter__(self) -> None:
-        if self.mode is not None:
-            self.mode.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.mode is not None:
-            self.mode.__exit__(*exc)
 
 
 __all__ = ["EpiloguePass", "find_source", "find_match", "fingerprint", "rewrite", "Match", "Source"]

@@ -30,10 +30,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..report import FallbackKind, report
-from . import EnnPass, PassContext
-from .precision import LOW_PRECISION, _CONVERT, fake_mode, is_pointwise, is_view, refresh, tensor_dtype, val
 from ..guard.graph_edit import retarget_dtypes
+from ..report import FallbackKind, report
+from .fx_utils import CONVERT, ancestors, fake_mode, insert, refresh, tensor_dtype, val
+from .manager import EnnPass, PassContext
+from .precision import LOW_PRECISION, is_pointwise, is_view
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -44,7 +45,7 @@ _NORM_REDUCTIONS = {aten.mean.dim, aten.var_mean.correction, aten.var_mean.dim, 
 
 
 def _is_passthrough(n: fx.Node) -> bool:
-    return n.op == "call_function" and (is_view(n) or n.target is _CONVERT or n.target is aten.add.Tensor)
+    return n.op == "call_function" and (is_view(n) or n.target is CONVERT or n.target is aten.add.Tensor)
 
 
 def find_projection(logits: fx.Node) -> fx.Node | None:
@@ -69,18 +70,6 @@ def _size(n: fx.Node) -> int:
         return 0
 
 
-def _ancestors(n: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [n]
-    while stack:
-        c = stack.pop()
-        if c in seen:
-            continue
-        seen.add(c)
-        stack.extend(c.all_input_nodes)
-    return seen
-
-
 def _operands(proj: fx.Node) -> tuple[fx.Node, fx.Node]:
     """(activation, weight) of a projection."""
     a, b = (proj.args[1], proj.args[2]) if proj.target is aten.addmm.default else (proj.args[0], proj.args[1])
@@ -93,7 +82,7 @@ def _param_source(n: fx.Node) -> fx.Node | None:
     for _ in range(8):
         if cur.op == "placeholder":
             return cur
-        if cur.op != "call_function" or not (is_view(cur) or cur.target is _CONVERT):
+        if cur.op != "call_function" or not (is_view(cur) or cur.target is CONVERT):
             return None
         cur = cur.args[0]
     return None
@@ -121,24 +110,24 @@ def find_tail(graph: fx.Graph) -> tuple[set[fx.Node], fx.Node, fx.Node, fx.Node]
         if c.target in _NORM_REDUCTIONS:
             norm_seen = True
             start = c.args[0]
-            while start.op == "call_function" and (start.target is _CONVERT or start.target in (aten.pow.Tensor_Scalar, aten.mul.Tensor) and start is not act):
+            while start.op == "call_function" and (start.target is CONVERT or start.target in (aten.pow.Tensor_Scalar, aten.mul.Tensor) and start is not act):
                 if start.target is aten.mul.Tensor and start.args[0] is not start.args[1]:
                     break
                 start = start.args[0]
             continue
-        if is_pointwise(c) or is_view(c) or c.target is _CONVERT or c.target is torch.ops.aten.rsqrt.default or c.target.__name__.startswith("getitem"):
+        if is_pointwise(c) or is_view(c) or c.target is CONVERT or c.target is torch.ops.aten.rsqrt.default or c.target.__name__.startswith("getitem"):
             frontier.extend(c.all_input_nodes)
     if not norm_seen:
         start = act
-    anc_logits = _ancestors(logits)
-    tail = {n for n in anc_logits if n is not start and start in _ancestors(n)} if start is not act else set()
-    tail |= {n for n in anc_logits if n in _ancestors(logits) and (n is proj or proj in _ancestors(n))}
+    anc_logits = ancestors([logits])
+    tail = {n for n in anc_logits if n is not start and start in ancestors([n])} if start is not act else set()
+    tail |= {n for n in anc_logits if n in ancestors([logits]) and (n is proj or proj in ancestors([n]))}
     tail.add(proj)
     # parameters' casts/views that enter the tail
     for n in list(tail):
         for a in n.all_input_nodes:
             cur = a
-            while cur not in tail and cur.op == "call_function" and (is_view(cur) or cur.target is _CONVERT):
+            while cur not in tail and cur.op == "call_function" and (is_view(cur) or cur.target is CONVERT):
                 tail.add(cur)
                 cur = cur.args[0]
     return tail, start, proj, logits
@@ -187,9 +176,7 @@ class Fp32TailPass(EnnPass):
 
         low = tensor_dtype(logits)
         if tensor_dtype(start) in LOW_PRECISION:
-            with graph.inserting_after(start):
-                up = graph.call_function(_CONVERT, (start, torch.float32))
-            refresh(up, mode)
+            up = insert(graph, CONVERT, (start, torch.float32), after=start, mode=mode)
             for u in list(start.users):
                 if u in tail:
                     u.replace_input_with(start, up)
@@ -201,8 +188,6 @@ class Fp32TailPass(EnnPass):
             refresh(n, mode)
         outside = [u for u in logits.users if u.op != "output" and u not in tail]
         if outside:
-            with graph.inserting_after(logits):
-                back = graph.call_function(_CONVERT, (logits, low))
-            refresh(back, mode)
+            back = insert(graph, CONVERT, (logits, low), after=logits, mode=mode)
             for u in outside:
                 u.replace_input_with(logits, back)

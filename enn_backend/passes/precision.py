@@ -40,7 +40,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from . import EnnPass, PassContext
+from .. import compat
+from .fx_utils import CONVERT, fake_mode, insert, refresh, tensor_dtype, val
+from .manager import EnnPass, PassContext
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +54,9 @@ _SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.cumsum.default}
 _VARS = {aten.var.correction, aten.var_mean.correction, aten.var.dim, aten.var_mean.dim}
 _MEANS = {aten.mean.dim, aten.mean.default}
 _REDUCTIONS = _SUMS | _VARS | _MEANS | {aten.amax.default, aten.amin.default}
-_CONVERT = prims.convert_element_type.default
 
 
 # ----------------------------------------------------------------------------- helpers
-def val(n: Any) -> Any:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
-def tensor_dtype(n: Any) -> torch.dtype | None:
-    v = val(n)
-    return v.dtype if isinstance(v, torch.Tensor) else None
-
-
 def is_view(n: fx.Node) -> bool:
     t = n.target
     if not isinstance(t, torch._ops.OpOverload):
@@ -76,31 +68,7 @@ def is_view(n: fx.Node) -> bool:
 
 def is_pointwise(n: fx.Node) -> bool:
     t = n.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags and t is not _CONVERT
-
-
-def fake_mode(graph: fx.Graph) -> Any:
-    for n in graph.nodes:
-        v = val(n)
-        for t in (v if isinstance(v, (list, tuple)) else [v]):
-            m = getattr(t, "fake_mode", None)
-            if m is not None:
-                return m
-    return None
-
-
-def refresh(n: fx.Node, mode: Any) -> None:
-    """Recompute ``meta['val']`` of ``n`` from its inputs' (possibly changed) metas."""
-    def f(a: Any) -> Any:
-        return val(a) if isinstance(a, fx.Node) else a
-
-    args = fx.node.map_aggregate(n.args, f)
-    kwargs = fx.node.map_aggregate(n.kwargs, f)
-    if n.target is operator.getitem:
-        n.meta["val"] = args[0][args[1]]
-        return
-    with mode:
-        n.meta["val"] = n.target(*args, **kwargs)
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags and t is not CONVERT
 
 
 def reduction_size(n: fx.Node) -> int:
@@ -121,7 +89,7 @@ def reduction_size(n: fx.Node) -> int:
 def fed_by_square(n: fx.Node) -> bool:
     """Is the reduction's input x*x or x**2 (possibly through a convert)?"""
     x = n.args[0]
-    while isinstance(x, fx.Node) and x.target is _CONVERT:
+    while isinstance(x, fx.Node) and x.target is CONVERT:
         x = x.args[0]
     if not isinstance(x, fx.Node):
         return False
@@ -163,7 +131,7 @@ class Island:
         for user in list(low.users):
             if user is wide or user.op == "output":
                 continue
-            if user.target is _CONVERT:
+            if user.target is CONVERT:
                 user.replace_input_with(low, wide)
                 refresh(user, self.mode)
                 continue
@@ -179,15 +147,13 @@ class Island:
 
     def _narrow_for_others(self, node: fx.Node, low_dtype: torch.dtype) -> None:
         """``node`` is now fp32: users that may not change get a cast back; the rest widen further."""
-        keep = [u for u in node.users if not (is_pointwise(u) or is_view(u) or u.target is _CONVERT)]
+        keep = [u for u in node.users if not (is_pointwise(u) or is_view(u) or u.target is CONVERT)]
         if keep:
-            with self.graph.inserting_after(node):
-                back = self.graph.call_function(_CONVERT, (node, low_dtype))
-            refresh(back, self.mode)
+            back = insert(self.graph, CONVERT, (node, low_dtype), after=node, mode=self.mode)
             for u in keep:
                 u.replace_input_with(node, back)
         for u in list(node.users):
-            if u.target is _CONVERT or u in keep:
+            if u.target is CONVERT or u in keep:
                 continue
             before = tensor_dtype(u)
             refresh(u, self.mode)
@@ -202,17 +168,13 @@ def promote_reduction(graph: fx.Graph, n: fx.Node, mode: Any) -> None:
     low_dtype = tensor_dtype(x)
     # the square feeding it (if any) is computed in fp32 too
     src = x
-    if fed_by_square(n) and len(src.users) == 1 and src.target is not _CONVERT:
+    if fed_by_square(n) and len(src.users) == 1 and src.target is not CONVERT:
         base = src.args[0]
-        with graph.inserting_before(src):
-            up = graph.call_function(_CONVERT, (base, torch.float32))
-        refresh(up, mode)
+        up = insert(graph, CONVERT, (base, torch.float32), before=src, mode=mode)
         src.args = tuple(up if a is base else a for a in src.args)
         refresh(src, mode)
     else:
-        with graph.inserting_before(n):
-            up = graph.call_function(_CONVERT, (x, torch.float32))
-        refresh(up, mode)
+        up = insert(graph, CONVERT, (x, torch.float32), before=n, mode=mode)
         n.replace_input_with(x, up)
     out_low = {}
     outs = [u for u in n.users if u.target is operator.getitem] if isinstance(val(n), (tuple, list)) else [n]
@@ -223,9 +185,7 @@ def promote_reduction(graph: fx.Graph, n: fx.Node, mode: Any) -> None:
         if o is not n:
             refresh(o, mode)
         # every consumer first sees a cast back to the original dtype, then the island widens
-        with graph.inserting_after(o):
-            back = graph.call_function(_CONVERT, (o, low_dtype))
-        refresh(back, mode)
+        back = insert(graph, CONVERT, (o, low_dtype), after=o, mode=mode)
         for u in out_low[o]:
             u.replace_input_with(o, back)
         Island(graph, mode).widen(back, o, low_dtype)
@@ -248,7 +208,7 @@ def reduction_source(n: fx.Node, depth: int = 6) -> fx.Node | None:
             # kept in fp32; a full-size normalized activation (LayerNorm / BatchNorm output,
             # x - mean) must keep autocast's cast, or the island widens whole activations
             return red if _numel(red) is not None and numel is not None and _numel(red) >= numel else None
-        if is_pointwise(cur) or is_view(cur) or cur.target is _CONVERT:
+        if is_pointwise(cur) or is_view(cur) or cur.target is CONVERT:
             stack.extend((a, d + 1) for a in cur.all_input_nodes)
     return None
 
@@ -286,11 +246,9 @@ class PrecisionPass(EnnPass):
                 ctx.promotion(n.name, reason, op=str(n.target), rule="reduction")
                 log.debug("enn precision: %s promoted to fp32 (%s)", n.name, reason)
                 count += 1
-            elif n.target is _CONVERT and n.args[1] in LOW_PRECISION and tensor_dtype(n.args[0]) == torch.float32:
+            elif n.target is CONVERT and n.args[1] in LOW_PRECISION and tensor_dtype(n.args[0]) == torch.float32:
                 count += self._keep_fp32_result(graph, n, ctx, mode)
         if count:
-            from .. import compat
-
             compat.stable_topological_sort(graph)
             graph.lint()
         return count

@@ -1,0 +1,86 @@
+"""Attention pass: hand-written ``softmax(Q Kᵀ · s + bias, masked) V`` -> one fused attention.
+
+Per ``bmm`` of the joint graph (training: forward + backward; inference: forward only):
+:func:`~.match.match_at` recognizes the attention, :func:`~.plan.plan_site` decides everything
+(masks, regions, kernel) before the first edit, and :func:`~.rewrite.rewrite` emits the plan's
+kernel (``kernels/``). Layout and how to add a pattern family or a kernel: ../README.md.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from ... import compat
+from ... import custom_ops  # noqa: F401  (registers the enn ops the pass emits)
+from ...custom_ops.attention import Backend
+from ...report import FallbackKind, report
+from ..fx_utils import fake_mode, is_call
+from ..manager import EnnPass, PassContext, current_module_state
+from .match import Skip, match_at
+from .plan import Plan, plan_site
+from .rewrite import rewrite
+
+aten = torch.ops.aten
+
+
+class AttentionPass(EnnPass):
+    """Fuse hand-written attention: SDPA's ATen kernels, FlexAttention ops, or ``enn::attention``."""
+
+    name = "attention"
+    option = "attention"
+    # joint_pre: before Inductor's own fuse_attention takes the patterns it knows (with other
+    # masked-row semantics); joint: again after Inductor's clean-up, for what only matches
+    # once constants are folded. A fused site has no bmm left: no double match.
+    stage = ("joint_pre", "joint")
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
+        if any(is_call(n, aten.alias.default) for n in graph.nodes):
+            compat.remove_noop_ops(graph)  # as a joint *pre* pass: Inductor runs this right after anyway
+        mode = fake_mode(graph)
+        count = 0
+        for n in list(graph.nodes):
+            if n.graph is not graph or not is_call(n, aten.bmm.default):
+                continue
+            m = match_at(n)
+            if m is None:
+                continue
+            try:
+                if mode is None:
+                    raise Skip("graph has no fake tensors to compute metadata from")
+                count += self._fuse(graph, plan_site(graph, m, self.opts), mode, ctx)
+            except Skip as why:
+                report().add_fallback(FallbackKind.PASS_SKIPPED, node=n.name, phase="compile", graph=ctx.unit,
+                                      reason=f"attention at {n.name} not fused: {why}", action="left as written",
+                                      level=logging.INFO)
+        if count:
+            graph.eliminate_dead_code()
+            compat.stable_topological_sort(graph)
+            graph.lint()
+        return count
+
+    def _fuse(self, graph: fx.Graph, plan: Plan, mode: object, ctx: PassContext) -> int:
+        out, choice = plan.match.out, plan.choice
+        if choice.forced_failed:
+            report().add_fallback(FallbackKind.KERNEL_CHOICE, node=out.name, phase="compile", graph=ctx.unit,
+                                  reason=choice.forced_failed, action=f"using {choice.backend} ({choice.reason})")
+        if choice.backend is Backend.INDUCTOR:
+            ctx.kernel_choice(out.name, choice.backend.value, choice.reason, fused=False)
+            return 0
+        if plan.refusal:
+            raise Skip(plan.refusal)
+        rewrite(graph, plan, mode)
+        reason = choice.reason + plan.kernel.reason(plan)
+        state, st = current_module_state(), plan.structure
+        for index, value in st.relied:
+            state.assume(index, value)
+            reason += (f"; mask buffer (input {index}) checked {'causal' if st.causal else 'structural'} at compile "
+                       "time, its content guarded per call")
+        p = plan.problem
+        ctx.kernel_choice(out.name, choice.backend.value, reason, causal=st.causal, window=st.window,
+                          gqa=p.heads_q != p.heads_kv, mask=p.has_mask, bias=p.has_bias, alibi=p.alibi,
+                          training=bool(plan.regions.grads))
+        ctx.fusion("attention")
+        return 1

@@ -1,0 +1,54 @@
+"""``enn::attention`` (+ ``enn::attention_backward``): any backend, any mask, eager's masked rows.
+
+What the other kernels cannot take -- boolean masks, biases that may hold -inf, bias gradients,
+ALiBi / window structure on a kernel without them -- runs inside enn's custom op
+(custom_ops/attention.py), which runs the chosen backend (its ``explicit`` fp32 math always
+works) and gives a fully masked row eager's NaN, or zeros (``masked_rows="zero"``). The op is
+its own safe path's owner: custom_ops/attention.py registers the explicit math for both ops.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.fx as fx
+
+from ..emitter import Emitter, Operands
+from ..problem import AttentionProblem
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+
+def check_explicit(p: AttentionProblem) -> tuple[bool, str]:
+    return True, "enn's fp32 math: any device, dtype and mask"
+
+
+class EnnOpKernel:
+    """Emits ``enn::attention`` and, in training, ``enn::attention_backward``."""
+
+    def __init__(self, em: Emitter, plan: "Plan", ops: Operands, grad_in: Optional[fx.Node]) -> None:
+        self.em, self.plan, self.ops = em, plan, ops
+        st = plan.structure
+        self.static = (float(plan.match.scale), st.causal, int(st.window))
+        self.out = self.lse = None
+
+    @staticmethod
+    def reason(plan: "Plan") -> str:
+        return ""
+
+    def forward(self) -> fx.Node:
+        o, (scale, causal, window) = self.ops, self.static
+        fwd = self.em.call(torch.ops.enn.attention.default,
+                           (o.q, o.k, o.v, o.bias, o.mask, o.alibi, scale, causal, window, 0.0, self.plan.masked_rows,
+                            self.plan.backend.value))
+        self.out, self.lse = self.em.items(fwd, 2)
+        return self.out
+
+    def backward(self, g: fx.Node, before: fx.Node) -> list[fx.Node]:
+        o, (scale, causal, window) = self.ops, self.static
+        b = self.em.call(torch.ops.enn.attention_backward.default,
+                         (g, o.q, o.k, o.v, o.bias, o.mask, o.alibi, self.out, self.lse, scale, causal, window,
+                          self.plan.masked_rows, self.plan.backend.value, self.plan.bias_grad), before=before)
+        return self.em.items(b, 4, before)

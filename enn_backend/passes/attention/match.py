@@ -1,0 +1,269 @@
+"""Recognize hand-written attention in an ATen graph: :func:`match_at` a ``bmm(P, V)``.
+
+The matcher starts at each ``bmm(P, V)`` and walks up::
+
+    O = view(bmm(view(expand(cast?(softmax(x)))), view(expand(V))))
+    x = cast? / where(cond, fill, ·) / add(·, bias) / mul|div(·, c) ... around
+        view(bmm(view(expand(cast?(Q·c?))), view(expand(cast?(permute(K·c?))))))
+
+softmax is ``_softmax`` or Inductor's decomposition ``exp(x - amax) / sum`` over the key axis;
+casts are autocast's; the fill of a ``masked_fill`` / ``where`` is ``-inf`` or ``finfo.min``;
+K/V may be grouped-query (``unsqueeze -> expand -> clone -> view``, what ``repeat_interleave``
+and HF's ``repeat_kv`` produce: :func:`gqa_base`). What the masks and bias terms are is
+masks.py's business.
+
+Anything that is not exactly attention (another reduction than softmax over the key axis, a
+dropout between softmax and the second matmul) does not match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import torch
+import torch.fx as fx
+
+from ..fx_utils import CONVERT, VIEWS, is_call, shape, val
+
+aten = torch.ops.aten
+_SKIPPED = (CONVERT,)  # what the walk from a matmul operand to Q / K / V steps through besides views
+
+
+class Skip(Exception):
+    """A match that is not fused; the message says why (recorded as a PASS_SKIPPED fallback)."""
+
+
+class MaskTerm(NamedTuple):
+    """``where(cond, scores, fill)`` (or with the branches swapped) around the scores."""
+
+    cond: fx.Node
+    keep_when_true: bool  # True: ``cond`` marks the keys kept
+    fill: float  # -inf or a finfo.min-sized number
+    factor: float  # the scale applied to the scores after this mask
+
+
+class BiasTerm(NamedTuple):
+    """``scores + node`` (times ``factor``, the scale applied after the add)."""
+
+    node: fx.Node
+    factor: float
+
+
+@dataclass
+class Match:
+    out: fx.Node  # the [B, H, Tq, Dv] (or [B, Tq, Dv]) output node
+    q: fx.Node
+    k: fx.Node
+    v: fx.Node
+    scale: float
+    three_d: bool
+    bias_terms: list[BiasTerm] = field(default_factory=list)
+    masks: list[MaskTerm] = field(default_factory=list)
+    dtype: Optional[torch.dtype] = None  # the dtype the matmuls run in (q / k / v are cast to it)
+
+
+def skip_views(n: Any, also: tuple = ()) -> Any:
+    """Walk up through shape-only ops (view/alias/clone/expand without broadcasting) and ``also``."""
+    while isinstance(n, fx.Node):
+        if n.target in VIEWS and _is_gqa_expand(n.args[0]):
+            break  # keep grouped-query K/V as the [B, H, T, D] view; gqa_base looks further
+        if n.target in VIEWS or n.target in also:
+            n = n.args[0]
+        elif n.target is aten.clone.default:
+            n = n.args[0]
+        elif n.target is aten.expand.default and shape(n.args[0]) == shape(n):
+            n = n.args[0]
+        else:
+            break
+    return n
+
+
+def _is_gqa_expand(n: Any) -> bool:
+    """``n`` is (a clone of) an expand that broadcasts: the repeat of grouped-query K/V."""
+    if is_call(n, aten.clone.default):
+        n = n.args[0]
+    return is_call(n, aten.expand.default) and shape(n.args[0]) != shape(n)
+
+
+def scalar(n: Any) -> Optional[float]:
+    """A Python number, or a 0-d ``full`` constant node's value."""
+    if isinstance(n, (int, float)) and not isinstance(n, bool):
+        return float(n)
+    if is_call(n, aten.full.default) and list(n.args[0]) == [] and isinstance(n.args[1], (int, float)):
+        return float(n.args[1])
+    if is_call(n, CONVERT):
+        return scalar(n.args[0])
+    return None
+
+
+def _softmax_input(n: fx.Node) -> Optional[fx.Node]:
+    """``x`` if ``n`` is softmax(x) over the last axis (ATen or Inductor's decomposition)."""
+    if is_call(n, aten._softmax.default):
+        x, dim = n.args[0], n.args[1]
+        return x if dim in (-1, len(shape(x)) - 1) else None
+    if not is_call(n, aten.div.Tensor):
+        return None
+    e, s = n.args
+    if not (is_call(e, aten.exp.default) and is_call(s, aten.sum.dim_IntList) and s.args[0] is e):
+        return None
+    sub = e.args[0]
+    if not is_call(sub, aten.sub.Tensor):
+        return None
+    x, amax = sub.args
+    if not (is_call(amax, aten.amax.default) and amax.args[0] is x):
+        return None
+    nd = len(shape(x))
+    for r in (amax, s):
+        dims = list(r.args[1])
+        if dims not in ([-1], [nd - 1]) or not (len(r.args) > 2 and r.args[2]):
+            return None
+    return x
+
+
+def _strip_scale(n: Any, scale: float) -> tuple[Any, float]:
+    """Step up through ``mul`` / ``div`` by constants (and casts / views), folding them into ``scale``."""
+    while is_call(n, aten.mul.Tensor, aten.div.Tensor) and scalar(n.args[1]) is not None:
+        c = scalar(n.args[1])
+        scale = scale * c if n.target is aten.mul.Tensor else scale / c
+        n = skip_views(n.args[0], also=_SKIPPED)
+    return n, scale
+
+
+def _qk(n: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float, bool]]:
+    """(q, k, scale, three_d) if ``n`` is the Q·Kᵀ product (4-D via view or a plain 3-D bmm)."""
+    three_d = is_call(n, aten.bmm.default)
+    mm = n if three_d else (n.args[0] if is_call(n, *VIEWS) else None)
+    if not is_call(mm, aten.bmm.default):
+        return None
+    a, b = mm.args
+    # Casts are skipped too: under autocast Q / Kᵀ reach the bmm through a cast to its dtype
+    # (LLaMA's RoPE makes q, k fp32); the rewrite casts q / k / v to the bmm dtype again.
+    q, scale = _strip_scale(skip_views(a, also=_SKIPPED), 1.0)
+    kt, scale = _strip_scale(skip_views(b, also=_SKIPPED), scale)
+    if not is_call(kt, aten.permute.default):
+        return None
+    nd = len(shape(kt))
+    if list(kt.args[1]) != list(range(nd - 2)) + [nd - 1, nd - 2]:
+        return None
+    k, scale = _strip_scale(kt.args[0], scale)
+    want = 3 if three_d else 4
+    if len(shape(q)) != want or len(shape(k)) != want:
+        return None
+    return q, k, scale, three_d
+
+
+def _fill(n: Any) -> Optional[float]:
+    """The value of a mask fill that drops a key: -inf or a finfo.min of some float dtype."""
+    v = scalar(n)
+    if v is None:
+        return None
+    if v == float("-inf"):
+        return v
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        if v <= torch.finfo(dt).min:
+            return v
+    return None
+
+
+def _peel_scores(x: fx.Node, masks: list[MaskTerm], bias: list[BiasTerm]
+                 ) -> Optional[tuple[fx.Node, fx.Node, float, bool]]:
+    """Walk from the softmax input to Q·Kᵀ, collecting scale, bias terms and masks."""
+    factor = 1.0  # product of the scale factors applied outside the current node
+    n = x
+    while True:
+        # Step through casts and views one node at a time: the 4-D view of the Q·Kᵀ bmm must be
+        # seen before it is skipped (softmax(scores.float()) puts a cast right above it).
+        while True:
+            got = _qk(n)
+            if got is not None:
+                q, k, s, three_d = got
+                return q, k, s * factor, three_d
+            if skip_views(n, also=_SKIPPED) is n:
+                break
+            n = n.args[0]
+        if is_call(n, aten.where.self):
+            cond, a, b = n.args
+            fa, fb = _fill(a), _fill(b)
+            if fa is not None and isinstance(b, fx.Node):
+                masks.append(MaskTerm(cond, False, fa, factor))
+                n = b
+            elif fb is not None and isinstance(a, fx.Node):
+                masks.append(MaskTerm(cond, True, fb, factor))
+                n = a
+            else:
+                return None
+            continue
+        if is_call(n, aten.add.Tensor) and not n.kwargs and len(n.args) == 2 and all(isinstance(a, fx.Node) for a in n.args):
+            for score, term in ((n.args[0], n.args[1]), (n.args[1], n.args[0])):
+                sub_masks: list[MaskTerm] = []
+                sub_bias: list[BiasTerm] = []
+                got = _peel_scores(score, sub_masks, sub_bias)
+                if got is not None:
+                    if not isinstance(val(term), torch.Tensor) or not val(term).is_floating_point():
+                        return None
+                    bias.append(BiasTerm(term, factor))
+                    q, k, s, three_d = got
+                    masks += [m._replace(factor=m.factor * factor) for m in sub_masks]
+                    bias += [b._replace(factor=b.factor * factor) for b in sub_bias]
+                    return q, k, s * factor, three_d
+            return None
+        if is_call(n, aten.mul.Tensor, aten.div.Tensor) and scalar(n.args[1]) is not None:
+            c = scalar(n.args[1])
+            if c == 0:
+                return None
+            factor = factor * c if n.target is aten.mul.Tensor else factor / c
+            if factor <= 0:
+                return None
+            n = n.args[0]
+            continue
+        got = _qk(n)
+        if got is None:
+            return None
+        q, k, s, three_d = got
+        return q, k, s * factor, three_d
+
+
+def match_at(bmm: fx.Node) -> Optional[Match]:
+    """A Match if ``bmm`` is the P·V product of an attention."""
+    p, vv = bmm.args
+    x = _softmax_input(skip_views(p, also=_SKIPPED))
+    if x is None:
+        return None
+    masks: list[MaskTerm] = []
+    bias: list[BiasTerm] = []
+    got = _peel_scores(x, masks, bias)
+    if got is None:
+        return None
+    q, k, scale, three_d = got
+    v = skip_views(vv, also=_SKIPPED)
+    out = bmm
+    if not three_d:
+        users = list(bmm.users)
+        if len(users) != 1 or not is_call(users[0], *VIEWS) or len(shape(users[0])) != 4:
+            return None
+        out = users[0]
+    if len(shape(v)) != (3 if three_d else 4):
+        return None
+    if any(m.factor != 1.0 and m.fill != float("-inf") for m in masks):
+        return None  # a finite fill that was rescaled afterwards is no longer finfo.min
+    return Match(out=out, q=q, k=k, v=v, scale=scale, three_d=three_d, bias_terms=bias, masks=masks,
+                 dtype=val(bmm).dtype)
+
+
+def gqa_base(n: fx.Node) -> tuple[fx.Node, int]:
+    """(K/V with Hkv heads, n_rep) if ``n`` is ``view(clone(expand(unsqueeze(x, 2))))``."""
+    a = n
+    if is_call(a, *VIEWS):
+        a = a.args[0]
+        if is_call(a, aten.clone.default):
+            a = a.args[0]
+        if is_call(a, aten.expand.default):
+            u = a.args[0]
+            if is_call(u, aten.unsqueeze.default) and u.args[1] == 2 and len(shape(u.args[0])) == 4:
+                base = u.args[0]
+                b, hkv, t, d = shape(base)
+                es = shape(a)
+                if es[:2] == (b, hkv) and es[3:] == (t, d) and shape(n)[1] == hkv * es[2]:
+                    return base, es[2]
+    return n, 1

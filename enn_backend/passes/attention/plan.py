@@ -1,0 +1,124 @@
+"""Everything decided about one matched attention before the graph is edited: :func:`plan_site`.
+
+In order: the K/V to read (grouped-query heads), what the masks and biases are (masks.py), the
+forward / backward regions and their gradients (regions.py), the problem the kernels' checkers
+see, the kernel the policy chooses, and whether that kernel can take this site. A site that cannot
+be fused raises :class:`~.match.Skip` here, with the graph untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ... import compat
+from ...custom_ops.attention import Backend
+from ...options import Options
+from ..fx_utils import shape, val
+from ..manager import current_module_state
+from .kernels import Kernel, kernel_for
+from .masks import Dims, Structure, classify
+from .match import Match, Skip, gqa_base
+from .policy import Choice, choose
+from .problem import AttentionProblem
+from .regions import Regions, find_regions
+
+
+@dataclass
+class Plan:
+    match: Match
+    k: fx.Node  # K / V as the kernels read them: the grouped-query base (Hkv heads) or match.k / .v
+    v: fx.Node
+    rep: int  # how often the graph repeats each K/V head (1: no grouped-query base)
+    structure: Structure
+    regions: Regions
+    bias_grad: bool
+    problem: AttentionProblem
+    choice: Choice
+    kernel: Kernel
+    masked_rows: str  # enn::attention's fully-masked-row semantics ("eager" | "zero")
+    refusal: str = ""  # why the chosen kernel cannot take this site ("" when it can)
+
+    @property
+    def backend(self) -> Backend:
+        return self.choice.backend
+
+
+def _hint(s: Any) -> int:
+    return compat.size_hint(s)  # never int(s): that would specialize dynamic shapes
+
+
+def _kv(m: Match) -> tuple[fx.Node, fx.Node, int]:
+    if m.three_d:
+        return m.k, m.v, 1
+    (k, rep_k), (v, rep_v) = gqa_base(m.k), gqa_base(m.v)
+    if rep_k != rep_v or rep_k == 1:
+        return m.k, m.v, 1
+    return k, v, rep_k
+
+
+def _bias_shape(st: Structure, three_d: bool) -> Optional[tuple]:
+    """The shape of the bias the kernels get: the terms and finfo.min masks added (broadcast)."""
+    shapes = [shape(b.node) for b in st.bias] + [shape(m.cond) for m in st.floors]
+    if not shapes:
+        return None
+    out = tuple(torch.broadcast_shapes(*[torch.Size(s) for s in shapes]))
+    return (out[0], 1) + out[1:] if three_d and len(out) == 3 else out
+
+
+def _problem(m: Match, k: fx.Node, v: fx.Node, st: Structure, bias_grad: bool, training: bool) -> AttentionProblem:
+    qv, kv, vv = val(m.q), val(k), val(v)
+    dev = qv.device
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" and torch.cuda.is_available() else (0, 0)
+    heads_q = 1 if m.three_d else _hint(qv.shape[1])
+    heads_kv = 1 if m.three_d else _hint(kv.shape[1])
+    return AttentionProblem(
+        device=dev.type, capability=tuple(cap), dtype=str(m.dtype).removeprefix("torch."),
+        head_dim=_hint(qv.shape[-1]), head_dim_v=_hint(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
+        heads_q=heads_q, heads_kv=heads_kv, causal=st.causal, window=st.window,
+        has_mask=bool(st.keep), has_bias=st.has_bias, bias_grad=bias_grad, alibi=st.alibi is not None,
+        training=training, bias_finite=st.bias_finite(), bias_may_saturate=st.bias_may_saturate(),
+        static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])))
+
+
+def _refusal(m: Match, st: Structure, backend: Backend, inputs: list[fx.Node], grads: dict[int, fx.Node],
+             bias_shape: Optional[tuple], v: fx.Node) -> str:
+    """Why the chosen kernel cannot take this site ("" when it can)."""
+    if st.alibi is not None and st.alibi.positions != "exact" and backend is not Backend.FLEX:
+        return (f"ALiBi positions rounded to {st.alibi.positions}: only FlexAttention reproduces them "
+                f"({backend} would add exact positions)")
+    out = (*shape(m.q)[:-1], shape(v)[-1])
+    if out != shape(m.out):
+        return f"output shape {out} != {shape(m.out)}"
+    for i, exit_node in grads.items():
+        got = bias_shape if i >= 3 else shape(inputs[i])
+        if got != shape(exit_node):
+            return f"gradient shape {got} != {shape(exit_node)}"
+    return ""
+
+
+def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
+    """Decide how to fuse match ``m``; raises Skip when it cannot be fused whatever the kernel."""
+    k, v, rep = _kv(m)
+    tq, tk = shape(m.q)[-2], shape(k)[-2]
+    st = classify(m.masks, m.bias_terms, Dims(tq, tk, 1 if m.three_d else shape(m.q)[1]), current_module_state())
+    if st.causal and tq != tk:
+        raise Skip("causal mask with Tq != Tk (SDPA's causal is top-left aligned)")
+    inputs = [m.q, k, v] + [b.node for b in st.bias] + ([st.alibi.term] if st.alibi else [])
+    regions = find_regions(graph, m.out, inputs)
+    grads = regions.grads
+    if st.alibi is not None and len(inputs) - 1 in grads:
+        raise Skip("ALiBi slopes that need a gradient")
+    bias_grad = any(i >= 3 for i in grads)
+    if bias_grad and (len(st.bias) != 1 or st.bias[0].factor != 1.0):
+        raise Skip("gradient needed for a bias built from several terms")
+    problem = _problem(m, k, v, st, bias_grad, bool(grads))
+    choice = choose(problem, opts.attention_backend, opts.attention_order)
+    bias_shape = _bias_shape(st, m.three_d)
+    refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, inputs, grads, bias_shape, v)
+    return Plan(m, k, v, rep, st, regions, bias_grad, problem, choice,
+                kernel_for(choice.backend, problem, bias_shape[-1] if bias_shape else None),
+                "zero" if opts.masked_rows == "zero" else "eager", refusal)

@@ -1,0 +1,129 @@
+"""Which kernel runs a fused attention: :func:`choose` asks each kernel's checker in order.
+
+- ``flash`` / ``cudnn`` / ``efficient`` / ``math``: SDPA on CUDA (kernels/sdpa.py);
+- ``flex``: FlexAttention (compiled), for causal / window / ALiBi structure with no mask tensor;
+- ``cpu_flash``: ATen's CPU flash kernel; ``explicit``: enn's own fp32 math (always possible);
+- ``inductor``: do not fuse (:func:`check_inductor`; the default orders try it first).
+
+Preference: ``attention_backend`` (ENN_ATTENTION_BACKEND) forces one; ``attention_order``
+(ENN_ATTENTION_ORDER) sets the order; else the default order for the device. A forced choice
+that its checker refuses falls back to the first one that passes, and the caller records a
+``FallbackKind.KERNEL_CHOICE`` with the checker's reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...custom_ops.attention import Backend
+from .kernels import (check_cpu_flash, check_cudnn, check_efficient, check_explicit, check_flash, check_flex,
+                      check_math)
+from .problem import AttentionProblem, Checker
+
+B = Backend
+# Measured on an H200 (torch 2.11, bf16, B4 H16 D64; see bench/gpu_attention.py): cuDNN's Hopper
+# kernels and FA2 are close; cuDNN is tried first on sm90+, flash first before that.
+# flex comes before memory-efficient: for ALiBi / window structure it needs no T x T bias tensor
+# (and refuses mask / bias tensors, which memory-efficient takes).
+DEFAULT_ORDER_HOPPER = (B.CUDNN, B.FLASH, B.FLEX, B.EFFICIENT, B.MATH, B.EXPLICIT)
+DEFAULT_ORDER_CUDA = (B.FLASH, B.FLEX, B.EFFICIENT, B.CUDNN, B.MATH, B.EXPLICIT)
+# CPU: after check_inductor (which keeps all but causal / unmasked inference with Inductor), ATen's
+# flash kernel; explicit is the last resort.
+DEFAULT_ORDER_CPU = (B.CPU_FLASH, B.EXPLICIT)
+
+# Below this many scores per head on CPU, the custom op's per-call cost (~30 us through the Python
+# dispatcher, measured on the 2-core CI box, noisy) outweighs what ATen's kernel saves over
+# Inductor's own fused C++ softmax: the policy leaves such attention to Inductor ("inductor").
+CPU_MIN_SCORES = 64 * 64
+
+
+def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
+    if p.device == "cpu" and p.tq * p.tk < CPU_MIN_SCORES and not p.bias_grad:
+        return True, f"CPU, {p.tq}x{p.tk} scores: Inductor's own fused code is cheaper than a kernel call"
+    if p.device == "cpu" and not p.bias_grad and not p.training and not (
+            p.has_mask or p.has_bias or p.alibi or p.window > 0):
+        # Causal (or unmasked) inference: ATen's CPU flash kernel, emitted directly, beat Inductor's
+        # fused C++ softmax on the zoo's cpu-small models (2 cores, one thread, 11 interleaved
+        # rounds): nanoGPT 1.06x, LLaMA 1.05x. Everything else measured slower fused: training
+        # (backward) 0.94-0.97x, BERT's padding mask 0.95x, ALiBi's bias 0.63-0.66x.
+        return False, "CPU causal / unmasked inference: ATen's CPU flash kernel measured faster (1.05-1.06x)"
+    if p.device == "cpu" and not p.bias_grad:
+        return True, ("CPU: Inductor's fused C++ attention measured faster than ATen's flash kernel for training "
+                      "(0.94-0.97x), padding masks (0.95x) and biases (0.63-0.66x)")
+    if p.device == "cuda" and (p.alibi or p.window > 0) and not (p.has_mask or p.has_bias) and not check_flex(p)[0]:
+        # ALiBi / window structure goes to FlexAttention in the graph; where flex cannot take it
+        # (dynamic shapes, head dim), enn::attention would run it through a materialized bias.
+        return True, "CUDA ALiBi/window that FlexAttention cannot take here: " + check_flex(p)[1]
+    if p.device == "cuda" and (p.has_mask or (p.has_bias and (p.bias_grad or not p.bias_finite or (
+            p.bias_may_saturate and p.dtype == "float16")))):
+        # A boolean mask, a bias that may hold -inf or one that needs a gradient runs inside
+        # enn::attention's Python body (dead-row handling, recompute backward). Measured on an
+        # H200 (the first zoo run, bf16) that was slower than Inductor's own fused code (BERT
+        # inference 1.93 vs 1.19 ms, T5 2.27 vs 1.04 ms). A provably finite bias without
+        # gradient (padding masks, finfo.min ones too outside fp16) is emitted as the
+        # memory-efficient kernel itself (zoo BERT on an H100: training 1.03x / 1.01x, inference
+        # 1.23x / 1.08x Inductor in two runs, bench/results/gpu-h100/gpu_run1.md and gpu.md).
+        return True, ("CUDA attention with a mask tensor, a bias that may hold -inf (or, in fp16, mask a whole "
+                      "row with finfo.min), or a bias gradient: Inductor's fused code measured faster than "
+                      "enn::attention's mask path")
+    return False, "only for tiny CPU problems and CUDA ALiBi / window structure / mask tensors"
+
+
+CHECKERS: dict[Backend, Checker] = {
+    B.CUDNN: check_cudnn,
+    B.FLASH: check_flash,
+    B.EFFICIENT: check_efficient,
+    B.MATH: check_math,
+    B.FLEX: check_flex,
+    B.CPU_FLASH: check_cpu_flash,
+    B.EXPLICIT: check_explicit,
+    B.INDUCTOR: check_inductor,  # leave the attention unfused (only via the default orders)
+}
+
+
+def default_order(p: AttentionProblem) -> tuple[Backend, ...]:
+    if p.device == "cpu":
+        return (B.INDUCTOR,) + DEFAULT_ORDER_CPU
+    if p.device == "cuda":
+        order = DEFAULT_ORDER_HOPPER if p.capability >= (9, 0) else DEFAULT_ORDER_CUDA
+        # check_inductor keeps ALiBi / window (flex is reached only when forced) and mask
+        # tensors with Inductor; structural causal / no-mask attention goes to SDPA.
+        return (B.INDUCTOR,) + order
+    return (B.EXPLICIT,)
+
+
+def _expand(name: str, p: AttentionProblem) -> list[Backend]:
+    """An option's kernel name as backends: 'flash' on CPU means ATen's CPU flash kernel."""
+    if name == "flash" and p.device == "cpu":
+        return [B.CPU_FLASH]
+    if name == "auto":
+        return list(default_order(p))
+    return [Backend(name)]
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: Backend
+    reason: str
+    forced_failed: str = ""  # the forced/preferred backend that was impossible, and why
+
+
+def choose(p: AttentionProblem, backend: str = "auto", order: str = "") -> Choice:
+    """Pick the backend for ``p``: forced -> order -> default order; explicit always works."""
+    preferred: list[Backend] = []
+    if backend != "auto":
+        preferred = _expand(backend, p)
+    elif order:
+        for name in order.split(","):
+            preferred += _expand(name.strip(), p)
+    fallback = list(default_order(p)) + [B.EXPLICIT]
+    if preferred:  # a user who names kernels wants attention fused: never fall back to "unfused"
+        fallback = [f for f in fallback if f is not B.INDUCTOR]
+    failed = ""
+    for i, name in enumerate(preferred + fallback):
+        ok, why = CHECKERS[name](p)
+        if ok:
+            return Choice(name, why, failed)
+        if backend != "auto" and i < len(preferred) and not failed:
+            failed = f"{backend} impossible: {why}"
+    return Choice(B.EXPLICIT, "nothing else applies", failed)

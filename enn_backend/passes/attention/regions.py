@@ -1,0 +1,166 @@
+"""The part of the graph one fused attention replaces: :func:`find_regions`.
+
+Forward: every node on a path from an input (q / k / v / bias terms) to the output, plus the
+constants (scale, fill, mask nodes with no input in the region) feeding it. Backward (training):
+every joint-graph node whose ``seq_nr`` belongs to a forward node of the region -- AOT Autograd
+tags each backward node with the forward op it differentiates -- plus the accumulation nodes
+between them. The gradients leaving the backward region are mapped to the inputs by shape, then
+by the forward op they differentiate; anything ambiguous raises :class:`Skip` (the graph is left
+alone, recorded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..fx_utils import ancestors, graph_order, is_call, shape, val
+from .match import Skip, skip_views
+
+aten = torch.ops.aten
+_TRANSPARENT_BWD = (aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.clone.default,
+                    aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default)
+
+
+@dataclass
+class Regions:
+    forward: set[fx.Node]
+    backward: set[fx.Node]
+    grads: dict[int, fx.Node]  # input index -> the backward node that is that input's gradient
+    grad_out: Optional[fx.Node]  # the gradient flowing into the attention output
+    first_backward: Optional[fx.Node]  # where the fused backward goes
+
+
+def is_backward(n: fx.Node) -> bool:
+    return n.meta.get("partitioner_tag") == "is_backward" or bool(n.meta.get("autograd_backward"))
+
+
+def _seq(n: fx.Node) -> Any:
+    return n.meta.get("seq_nr")
+
+
+def _on_path(region: set[fx.Node], inputs: list[fx.Node]) -> set[fx.Node]:
+    """The inputs and the region nodes that depend on one (mask-only constants do not)."""
+    on_path: set[fx.Node] = set(inputs)
+    for n in sorted(region, key=graph_order(next(iter(region)).graph)):
+        if any(a in on_path for a in n.all_input_nodes):
+            on_path.add(n)
+    return on_path
+
+
+def _backward_region(graph: fx.Graph, region: set[fx.Node], inputs: list[fx.Node]) -> set[fx.Node]:
+    """Backward nodes that differentiate forward nodes of ``region`` (by AOT's ``seq_nr``)."""
+    on_path = _on_path(region, inputs)
+    seqs = {_seq(n) for n in region if n in on_path and isinstance(val(n), torch.Tensor) and val(n).is_floating_point()}
+    seqs.discard(None)
+    bwd = {n for n in graph.nodes if n.op == "call_function" and is_backward(n) and _seq(n) in seqs}
+    # accumulation/helper nodes without a seq_nr whose inputs all come from the region
+    changed = True
+    allowed = region | set(inputs)
+    while changed:
+        changed = False
+        for n in graph.nodes:
+            if n in bwd or n.op != "call_function" or not is_backward(n) or _seq(n) is not None:
+                continue
+            ins = n.all_input_nodes
+            if ins and any(i in bwd for i in ins) and all(i in bwd or i in allowed for i in ins):
+                bwd.add(n)
+                changed = True
+    return bwd
+
+
+def _check_closed(region: set[fx.Node], bwd: set[fx.Node], out: fx.Node, inputs: list[fx.Node]) -> None:
+    """Every intermediate of the forward region is used only by the region or its backward.
+
+    Constants (positions, masks built from sizes) depend on no input: the layers of a model
+    share them after CSE, and leaving them in the graph for other users costs nothing.
+    """
+    on_path = _on_path(region, inputs)
+    for n in region:
+        if n is out or n not in on_path:
+            continue
+        for u in n.users:
+            if u not in region and u not in bwd:
+                if val(n) is not None and not isinstance(val(n), torch.Tensor):
+                    continue
+                raise Skip(f"intermediate {n.name} is also used by {u.name}")
+
+
+def _private(region: set[fx.Node], inputs: list[fx.Node]) -> dict[int, set[fx.Node]]:
+    """For each input index: the region nodes that depend on that input alone."""
+    deps: dict[fx.Node, set[int]] = {}
+    for n in sorted(region | set(inputs), key=graph_order(next(iter(region)).graph)):
+        if n in inputs:
+            deps[n] = {inputs.index(n)}
+        else:
+            deps[n] = set().union(*(deps.get(a, set()) for a in n.all_input_nodes))
+    return {i: {n for n in region if deps.get(n) == {i}} for i in range(len(inputs))}
+
+
+def _map_exits(exits: list[fx.Node], inputs: list[fx.Node], region: set[fx.Node], bwd: set[fx.Node]) -> dict[int, fx.Node]:
+    """{input index: exit node}: which gradient each exit is (by shape, then by seq_nr)."""
+    private = _private(region, inputs)
+    result: dict[int, fx.Node] = {}
+    for e in exits:
+        cands = [i for i, x in enumerate(inputs) if shape(x) == shape(e) and val(x).dtype == val(e).dtype]
+        if len(cands) > 1:
+            by_seq = [i for i in cands if any(_seq(p) == _seq(e) for p in private[i])]
+            cands = by_seq if len(by_seq) == 1 else _by_bmm_operand(e, cands, inputs, bwd)
+        if len(cands) != 1 or cands[0] in result:
+            raise Skip(f"cannot tell which input backward node {e.name} is the gradient of")
+        result[cands[0]] = e
+    return result
+
+
+def _by_bmm_operand(e: fx.Node, cands: list[int], inputs: list[fx.Node], bwd: set[fx.Node]) -> list[int]:
+    """bmm backward: grad(self) = bmm(g, permute(mat2)); grad(mat2) = bmm(permute(self), g)."""
+    n = e
+    while is_call(n, *_TRANSPARENT_BWD) and n in bwd:
+        n = n.args[0]
+    if not is_call(n, aten.bmm.default):
+        return cands
+    a, b = n.args
+    for i in cands:
+        x = inputs[i]
+        if is_call(a, aten.permute.default) and skip_views(a.args[0]) is x:
+            return [i]
+        if is_call(b, aten.permute.default) and skip_views(b.args[0]) is x:
+            return [j for j in cands if j != i][:1] if len(cands) == 2 else cands
+    return cands
+
+
+def _grad_out(bwd: set[fx.Node], region: set[fx.Node], inputs: list[fx.Node], out: fx.Node) -> Optional[fx.Node]:
+    """The gradient flowing into the attention output: the outside tensor the backward reads that
+    has the output's shape and is not a forward value."""
+    allowed = region | set(inputs)
+    found = set()
+    for n in bwd:
+        for a in n.all_input_nodes:
+            if a in bwd or a in allowed:
+                continue
+            if shape(a) == shape(out) and is_backward(a):
+                found.add(a)
+            elif isinstance(val(a), torch.Tensor) and val(a).dim() > 0 and not is_call(a, aten.full.default):
+                raise Skip(f"backward of the attention reads an unexpected value {a.name}")
+    return found.pop() if len(found) == 1 else None
+
+
+def find_regions(graph: fx.Graph, out: fx.Node, inputs: list[fx.Node]) -> Regions:
+    """The forward and backward regions of the attention ``inputs -> out`` and its gradients."""
+    inside = set(inputs)
+    region = ancestors([out], within=lambda n: n.op == "call_function" and n not in inside)
+    training = any(n.op == "placeholder" and is_backward(n) for n in graph.nodes)
+    bwd = _backward_region(graph, region, inputs) if training else set()
+    _check_closed(region, bwd, out, inputs)
+    if not training:
+        return Regions(region, bwd, {}, None, None)
+    exits = sorted((n for n in bwd if any(u not in bwd for u in n.users)), key=graph_order(graph))
+    grads = _map_exits(exits, inputs, region, bwd)
+    grad_out = _grad_out(bwd, region, inputs, out) if grads else None
+    if grads and grad_out is None:
+        raise Skip("could not find the gradient of the attention output")
+    first = min(bwd, key=graph_order(graph)) if grads else None
+    return Regions(region, bwd, grads, grad_out, first)

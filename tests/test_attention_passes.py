@@ -1,0 +1,287 @@
+"""The attention pass on its own (tests/pass_harness.py): which ops replace each pattern family,
+how many sites match, eager's values and gradients, and the near misses that must not match.
+CPU, tiny shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+import enn_backend
+from attention_cases import (ALIBI, BACKEND, BIAS, CAUSAL, CPU_FLASH, CPU_FLASH_BWD, MASK, MASKED_ROWS, WINDOW,
+                             B, H, T, D, alibi_causal, aten, bool_padding_neg_inf, causal_arange,
+                             causal_tril, causal_triu_where_min, choices, enn, exp_not_softmax, finfo_min_padding,
+                             fused, gqa_repeat_interleave, int_padding, intermediate_reused, learned_bias,
+                             padding_bias, qkv, scale_q_div, sliding_window, softmax_over_dim1_3d,
+                             softmax_over_queries, the, three_d_causal, untouched)
+from enn_backend.custom_ops.attention import SATURATED_FLOOR
+from enn_backend.custom_ops.pinned import EMITTED
+from enn_backend.passes.attention import masks
+from pass_harness import assert_ops, count_ops, find_ops, run_passes
+
+
+@pytest.fixture(autouse=True)
+def _fuse_tiny(monkeypatch):
+    """The shapes here are tiny; by default the policy leaves tiny CPU attention to Inductor
+    (see test_tiny_cpu_attention_left_to_inductor). An explicit order makes enn fuse them."""
+    monkeypatch.setenv("ENN_ATTENTION_ORDER", "flash,explicit")
+
+
+# ----------------------------------------------------------------------------- pattern families
+CAUSAL_FAMILIES = {"causal_tril": causal_tril, "causal_triu_where_finfo_min": causal_triu_where_min,
+                   "causal_arange": causal_arange, "scale_before_div": scale_q_div}
+
+
+@pytest.mark.parametrize("name", sorted(CAUSAL_FAMILIES))
+def test_causal_families_become_the_cpu_flash_kernel_with_a_causal_flag(name):
+    run = fused(CAUSAL_FAMILIES[name], qkv())
+    assert_ops(run.after, present=[CPU_FLASH, CPU_FLASH_BWD], absent=[enn.attention])
+    assert the(run.after, CPU_FLASH).args[4] is True  # is_causal: no mask tensor
+    assert the(run.after, CPU_FLASH).kwargs["attn_mask"] is None
+
+
+def test_sliding_window_becomes_a_window_flag():
+    run = fused(sliding_window, qkv())
+    node = the(run.after, enn.attention)
+    assert node.args[CAUSAL] is True and node.args[WINDOW] == 3 and node.args[MASK] is None
+    assert_ops(run.after, present=[enn.attention_backward])
+
+
+@pytest.mark.parametrize("fn", [causal_tril, sliding_window])
+def test_inference_graph_gets_the_forward_only(fn):
+    run = fused(fn, qkv(grad=False), train=False)
+    assert_ops(run.after, absent=[CPU_FLASH_BWD, enn.attention_backward])
+    assert count_ops(run.after, CPU_FLASH) + count_ops(run.after, enn.attention) == 1
+
+
+def test_the_pass_fuses_in_the_joint_pre_stage():
+    """Before Inductor's own fuse_attention (between enn's two joint stages) can take the site."""
+    pad = torch.ones(B, T)
+    pad[1, 5:] = 0
+    run = fused(padding_bias, (*qkv(), pad))
+    assert [(s.stage, s.matches["attention"]) for s in run.stages] == [("joint_pre", 1), ("joint", 0)]
+
+
+def test_additive_padding_mask_from_a_float_tensor_runs_in_the_enn_op():
+    """A float user tensor may hold -inf: the bias goes to enn::attention (dead-row handling)."""
+    pad = torch.ones(B, T)
+    pad[1, 5:] = 0
+    run = fused(padding_bias, (*qkv(), pad))
+    node = the(run.after, enn.attention)
+    assert node.args[BIAS] is not None and node.args[MASK] is None and node.args[BACKEND] == "cpu_flash"
+
+
+@pytest.mark.parametrize("order", ["flash", "explicit"])
+def test_saturated_rows_of_a_finfo_min_mask(order, monkeypatch):
+    """A sequence that is all padding: every score of its rows is absorbed by ``finfo.min``, so
+    eager's softmax is uniform over the keys -- finite. CPU flash recomputes P from the saved
+    log-sum-exp, which rounds to the bias: enn divides those rows' incoming gradient by the key
+    count. The explicit math computes softmax as eager does. Values and gradients equal eager's."""
+    monkeypatch.setenv("ENN_ATTENTION_ORDER", order)
+    pad = torch.ones(B, T)
+    pad[0, :] = 0  # batch 0: all padding
+    pad[1, 5:] = 0
+    run = fused(finfo_min_padding, (*qkv(), pad))
+    assert torch.isfinite(run.output).all()
+    assert the(run.after, enn.attention).args[BACKEND] == ("cpu_flash" if order == "flash" else "explicit")
+
+
+def test_saturated_rows_under_bf16_autocast():
+    """The same all-padding rows under CPU bf16 autocast, through enn::attention's CPU flash
+    backend in bf16 (the float pad is not provably finite, so the op, not the emitted kernel,
+    runs; it floors the mask with kernel_bias and divides saturated rows' gradient by their key
+    count): eager's uniform rows and gradients."""
+    pad = torch.ones(B, T)
+    pad[0, :] = 0
+    pad[1, 5:] = 0
+
+    def attend(q, k, v, pad):
+        with torch.autocast("cpu", torch.bfloat16):
+            return finfo_min_padding(q, k, v, pad)
+
+    run = run_passes(attend, (*qkv(), pad), ["attention"], options={"attention_backend": "flash"})
+    assert run.matches == {"attention": 1}
+    assert the(run.after, enn.attention).args[BACKEND] == "cpu_flash"
+    assert torch.isfinite(run.output).all()
+    run.check_eager(atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("fill", [-10000.0, torch.finfo(torch.float32).min], ids=["-10000", "finfo.min"])
+def test_integer_padding_mask_is_the_kernel_bias(fill):
+    """An integer padding mask scaled by a finite fill is provably finite: the pass emits the
+    kernel itself, its bias floored (values at or below SATURATED become -2**100) and, in the
+    backward, saturated rows' incoming gradient divided by their key count. The report says when
+    the floor matters (a finfo.min mask), not for a -10000 mask, which cannot saturate a row."""
+    pad = torch.ones(B, T, dtype=torch.long)
+    pad[1, 5:] = 0
+    if fill < -1e30:
+        # batch 0 all padding: saturated rows. (With -10000 such a row keeps its scores, rounded
+        # at 10000's ulp; the kernel's backward recomputes P from a log-sum-exp of that size and
+        # differs from eager by ~5e-4 relative there, more than this test's fp32 tolerance.)
+        pad[0, :] = 0
+    run = fused(int_padding(fill), (*qkv(), pad))
+    assert_ops(run.after, present=[CPU_FLASH, CPU_FLASH_BWD], absent=[enn.attention])
+    floor = [n for n in find_ops(run.after, aten.where.ScalarOther) if n.args[2] == SATURATED_FLOOR]
+    assert len(floor) == 1 and the(run.after, CPU_FLASH).kwargs["attn_mask"] is not None
+    assert ("-2**100" in choices()[0]["reason"]) == (fill < -1e30), choices()
+
+
+def test_learned_bias_with_gradient():
+    bias = (0.1 * torch.randn(1, H, T, T)).requires_grad_(True)
+    run = fused(learned_bias, (*qkv(), bias))
+    assert the(run.after, enn.attention).args[BACKEND] == "explicit"  # CPU flash gives no bias gradient
+    assert the(run.after, enn.attention_backward).args[-1] is True  # bias_grad
+
+
+def test_bf16_softmax_in_fp32_inference():
+    bias = torch.zeros(1, H, T, T, dtype=torch.bfloat16)
+    run = fused(learned_bias, (*qkv(torch.bfloat16, grad=False), bias), train=False)
+    assert the(run.after, enn.attention).args[BIAS] is not None
+
+
+def test_bool_padding_mask_and_fully_masked_rows():
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 4:] = False
+    keep[0, :] = False  # batch 0: every key masked -> eager gives NaN rows
+    run = fused(bool_padding_neg_inf, (*qkv(), keep))
+    assert the(run.after, enn.attention).args[MASK] is not None
+    assert torch.isnan(run.output[0]).all() and torch.isfinite(run.output[1]).all()
+
+
+def test_fully_masked_rows_zero_option():
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[0, :] = False
+    q, k, v = qkv(grad=False)
+    run = run_passes(bool_padding_neg_inf, (q, k, v, keep), ["attention"], training=False,
+                     options={"masked_rows": "zero"})
+    assert the(run.after, enn.attention).args[MASKED_ROWS] == "zero"
+    assert (run.output[0] == 0).all()
+    torch.testing.assert_close(run.output[1], bool_padding_neg_inf(q, k, v, keep)[1])
+
+
+def test_gqa_repeat_interleave():
+    """CPU flash takes no grouped-query K/V: it reads the graph's repeat, and the backward sums
+    the repeated heads' gradients back onto the K/V heads."""
+    run = fused(gqa_repeat_interleave, qkv(hkv=2))
+    kernel = the(run.after, CPU_FLASH)
+    assert kernel.args[1].meta["val"].shape[1] == H
+    folds = [n for n in find_ops(run.after, aten.sum.dim_IntList) if n.args[1] == [2]]
+    assert len(folds) == 2  # dk, dv: [B, Hkv, rep, T, D] summed over rep
+    assert choices()[0]["gqa"]
+
+
+def test_alibi_from_slopes():
+    slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)])
+    run = fused(alibi_causal, (*qkv(), slopes))
+    node = the(run.after, enn.attention)
+    assert node.args[ALIBI] is not None and node.args[CAUSAL] is True and node.args[BIAS] is None
+
+
+def test_dynamic_shapes_keep_causal_structure_without_recompiles():
+    def causal_dyn(q, k, v):
+        t = q.size(-2)
+        keep = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        att = (q @ k.transpose(-1, -2)) * 0.25
+        return att.masked_fill(~keep, float("-inf")).softmax(-1) @ v
+
+    inputs = lambda t: [torch.randn(1, 2, t, 8) for _ in range(3)]  # noqa: E731
+    run = run_passes(causal_dyn, inputs(9), ["attention"], training=False, dynamic=True)
+    assert run.matches == {"attention": 1}
+    assert the(run.after, CPU_FLASH).args[4] is True and the(run.after, CPU_FLASH).kwargs["attn_mask"] is None
+    stages = len(run.stages)
+    with torch.no_grad():
+        for t in (13, 21):
+            x = inputs(t)
+            torch.testing.assert_close(run.compiled(*x), causal_dyn(*x), atol=1e-5, rtol=1e-4)
+    assert len(run.stages) == stages  # no recompile
+
+
+def test_three_d_attention():
+    """``bmm`` on [B, T, D] (no head axis): an additive causal mask becomes the causal flag."""
+    run = fused(three_d_causal, [torch.randn(3, T, D) for _ in range(3)], train=False)
+    assert the(run.after, CPU_FLASH).args[4] is True
+
+
+def test_three_d_attention_whose_gradients_cannot_be_told_apart_is_not_fused():
+    """In training, q / k / v of one shape and one forward op leave the backward's exits
+    ambiguous: the site is left as written (recorded), not guessed."""
+    untouched(three_d_causal, [torch.randn(3, T, D, requires_grad=True) for _ in range(3)], train=True)
+    skipped = [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]]
+    assert skipped and set(skipped) == {"pass_skipped"}, skipped
+
+
+def test_every_node_the_pass_emits_is_tagged():
+    """The guard's eager reference runs enn's safe path for nodes tagged EMITTED, and ATen for
+    the rest: every node the pass adds carries the tag."""
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 5:] = False
+    cases = [(causal_tril, qkv(), True, {}), (bool_padding_neg_inf, (*qkv(), keep), True, {}),
+             (alibi_causal, (*qkv(grad=False), slopes), False, {"attention_backend": "flex"})]
+    for fn, args, train, options in cases:
+        run = run_passes(fn, args, ["attention"], training=train, options=options)
+        assert run.matches == {"attention": 1}, fn.__name__
+        for stage in run.stages:
+            old = {n.name for n in stage.before.nodes}
+            new = [n for n in stage.after.nodes if n.name not in old and n.op != "output"]
+            assert all(n.meta.get(EMITTED) for n in new), (fn.__name__, [n.name for n in new if not n.meta.get(EMITTED)])
+
+
+# ----------------------------------------------------------------------------- what must not match
+@pytest.mark.parametrize("fn", [softmax_over_queries, intermediate_reused, exp_not_softmax])
+def test_near_miss_not_fused(fn):
+    untouched(fn, qkv(grad=False))
+
+
+def test_softmax_over_the_query_axis_of_a_3d_attention_is_not_fused():
+    untouched(softmax_over_dim1_3d, [torch.randn(3, T, D) for _ in range(3)])
+
+
+def test_dropout_between_softmax_and_v_is_not_fused():
+    def dropout_between(q, k, v):
+        att = (q @ k.transpose(-1, -2) * 0.3).softmax(-1)
+        return F.dropout(att, 0.5, training=True) @ v
+
+    run = run_passes(dropout_between, qkv(), ["attention"])
+    assert run.matches == {"attention": 0}
+    assert_ops(run.stages[0].after, present=[aten.bmm], absent=[enn.attention, CPU_FLASH])
+
+
+def test_tiny_cpu_attention_left_to_inductor(monkeypatch):
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    untouched(causal_tril, qkv(grad=False))
+    assert choices()[0]["choice"] == "inductor" and choices()[0]["fused"] is False
+
+
+def test_explicit_backend_forced():
+    run = fused(causal_tril, qkv(), options={"attention_backend": "explicit"})
+    assert the(run.after, enn.attention).args[BACKEND] == "explicit"
+
+
+# ----------------------------------------------------------------------------- where a bias comes from
+def test_finite_bias_provenance():
+    """What counts as a bias that cannot hold -inf (only those run as the bare kernel)."""
+    g = fx.Graph()
+
+    def node(target, args, value):
+        n = g.call_function(target, args)
+        n.meta["val"] = value
+        return n
+
+    mask = g.placeholder("mask")
+    mask.meta["val"] = torch.ones(2, 8, dtype=torch.long)
+    f = node(torch.ops.prims.convert_element_type.default, (mask, torch.float32), torch.ones(2, 8))
+    inv = node(aten.rsub.Scalar, (f, 1.0), torch.ones(2, 8))
+    hf = node(aten.mul.Tensor, (inv, torch.finfo(torch.float32).min), torch.ones(2, 8))
+    assert masks.finite_bias(hf)  # HF's (1 - mask) * finfo.min
+    assert masks.may_saturate(hf)  # ... which can mask a whole row at finfo.min
+    old_style = node(aten.mul.Tensor, (inv, -10000.0), torch.ones(2, 8))
+    assert masks.finite_bias(old_style) and not masks.may_saturate(old_style)
+    assert not masks.finite_bias(node(aten.mul.Tensor, (inv, float("-inf")), torch.ones(2, 8)))
+    learned = g.placeholder("bias")
+    learned.meta["val"] = torch.ones(2, 8)
+    assert not masks.finite_bias(learned)  # a user tensor may hold -inf
+    assert not masks.finite_bias(node(aten.mul.Tensor, (learned, 2.0), torch.ones(2, 8)))  # still unknown
+    assert not masks.finite_bias(node(aten.add.Tensor, (hf, hf), torch.ones(2, 8)))  # finfo.min + finfo.min = -inf

@@ -1,0 +1,77 @@
+"""Which kernel runs an attention: the kernels' pure checkers and the policy's order
+(enn_backend/passes/attention/policy.py). Metadata only: no graph, no device."""
+
+from __future__ import annotations
+
+import pytest
+
+from enn_backend.custom_ops.attention import Backend
+from enn_backend.custom_ops.pinned import SAFE_PATHS
+from enn_backend.passes.attention.kernels.sdpa import NATIVE, check_efficient
+from enn_backend.passes.attention.policy import CHECKERS, AttentionProblem, choose
+
+
+def problem(**kw):
+    base = dict(device="cuda", capability=(9, 0), dtype="bfloat16", head_dim=64, head_dim_v=64, tq=1024, tk=1024,
+                heads_q=16, heads_kv=16, causal=True, window=0, has_mask=False, has_bias=False, bias_grad=False,
+                alibi=False, training=True)
+    base.update(kw)
+    return AttentionProblem(**base)
+
+
+def test_policy_choices():
+    assert choose(problem()).backend == "cudnn"
+    assert choose(problem(capability=(8, 0))).backend == "flash"
+    assert choose(problem(dtype="float32")).backend == "efficient"
+    assert choose(problem(has_mask=True, causal=False)).backend == "inductor"  # measured faster than SDPA with a mask
+    assert choose(problem(has_mask=True, causal=False), backend="efficient").backend == "efficient"
+    assert choose(problem(alibi=True)).backend == "flex"  # FlexAttention ops in the graph
+    assert choose(problem(window=64)).backend == "flex"
+    assert choose(problem(alibi=True, static_shapes=False)).backend == "inductor"  # flex needs fixed lengths
+    assert choose(problem(), order="flash,cudnn").backend == "flash"
+    cpu = dict(device="cpu", capability=(0, 0))
+    assert choose(problem(**cpu)).backend == "inductor"  # training: Inductor measured faster
+    assert choose(problem(**cpu, training=False)).backend == "cpu_flash"  # causal inference: flash faster
+    assert choose(problem(**cpu, training=False, causal=False)).backend == "cpu_flash"
+    for masked in (dict(has_mask=True), dict(has_bias=True), dict(alibi=True), dict(window=16)):
+        assert choose(problem(**cpu, training=False, **masked)).backend == "inductor", masked
+    assert choose(problem(device="cpu", capability=(0, 0)), order="flash").backend == "cpu_flash"
+    assert choose(problem(device="cpu", capability=(0, 0), tq=8, tk=8)).backend == "inductor"
+    assert choose(problem(device="cpu", capability=(0, 0), bias_grad=True, has_bias=True)).backend == "explicit"
+    forced = choose(problem(device="cpu", capability=(0, 0)), backend="cudnn")
+    assert forced.backend == "cpu_flash" and "cudnn impossible" in forced.forced_failed  # a forced kernel stays fused
+
+
+def test_policy_sends_saturating_biases_to_the_memory_efficient_kernel_except_in_fp16():
+    """A finfo.min bias can mask a whole row. In bf16 / fp32 the kernel gets SATURATED_FLOOR
+    there and gives eager's uniform row; fp16 cannot hold a bias that absorbs the scores, so
+    there the policy leaves such attention to Inductor (a -10000 mask cannot saturate)."""
+    base = dict(device="cuda", capability=(9, 0), head_dim=64, head_dim_v=64, tq=512, tk=512,
+                heads_q=12, heads_kv=12, causal=False, window=0, has_mask=False, has_bias=True, bias_grad=False,
+                alibi=False, training=True, bias_finite=True)
+    for dtype in ("bfloat16", "float32"):
+        assert choose(AttentionProblem(**base, dtype=dtype)).backend == "efficient"
+        assert choose(AttentionProblem(**base, dtype=dtype, bias_may_saturate=True)).backend == "efficient"
+    assert choose(AttentionProblem(**base, dtype="float16")).backend == "efficient"
+    saturating = AttentionProblem(**base, dtype="float16", bias_may_saturate=True)
+    assert choose(saturating).backend == "inductor"
+    ok, why = check_efficient(saturating)
+    assert not ok and "fp16" in why
+
+
+def test_every_backend_has_a_checker_and_a_forced_choice_stays_fused():
+    assert set(CHECKERS) == set(Backend)
+    cpu = problem(device="cpu", capability=(0, 0))
+    for name in ("cudnn", "flash", "efficient", "math", "flex", "explicit"):  # the options' names
+        assert choose(cpu, backend=name).backend != "inductor", name
+
+
+@pytest.mark.parametrize("backend", sorted(NATIVE))
+def test_every_emitted_sdpa_op_names_a_registered_safe_path(backend):
+    """The guard's eager reference runs the safe path of each op the pass emits (EMITTED)."""
+    import enn_backend.custom_ops  # noqa: F401  (registers the safe paths)
+
+    kernel = NATIVE[backend]
+    assert kernel.safe_paths and all(name in SAFE_PATHS for name in kernel.safe_paths), kernel.safe_paths
+    ops = {f"aten.{op._schema.name.split('::')[1]}.{op._overloadname}" for op in (kernel.forward, kernel.backward)}
+    assert set(kernel.safe_paths) <= ops

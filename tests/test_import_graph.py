@@ -1,0 +1,180 @@
+"""enn_backend's import graph (read statically by enn_backend.passes.sources): no import cycles
+beyond the known ones listed here, no function-local imports of enn modules beyond the known
+ones, and the attention package's layers import only downwards.
+
+The allow-lists hold what exists outside the passes' redesign; each entry goes when its cycle
+or lazy import is removed (the test then fails until the entry is deleted: they only shrink).
+"""
+
+from __future__ import annotations
+
+import pkgutil
+
+from enn_backend.passes import sources
+
+ROOT = sources.ROOT
+
+# Import cycles (strongly connected components) that exist today, outside the passes package.
+KNOWN_CYCLES = {
+    # Options validates fault specs; guard/faults raises OptionsError.
+    frozenset({"enn_backend.options", "enn_backend.guard.faults"}),
+    # lowerings/__init__ loads its submodules lazily; they import `register` from it.
+    frozenset({"enn_backend.lowerings", "enn_backend.lowerings.faults", "enn_backend.lowerings.gemm",
+               "enn_backend.lowerings.precision"}),
+    # The compiler, the AOT cache and the debug replay / repro tools call each other.
+    frozenset({"enn_backend.aot_cache", "enn_backend.graph_compiler", "enn_backend.debug.replay",
+               "enn_backend.debug.repro"}),
+    # precision_decomps fills decompositions.ENN_DECOMPOSITIONS as an import side effect.
+    frozenset({"enn_backend.decompositions", "enn_backend.passes.precision_decomps"}),
+}
+
+# Function-local imports of enn modules (importer -> imported) that exist today outside the
+# passes package. New code imports at the top of the module.
+KNOWN_LOCAL_IMPORTS = {
+    ("enn_backend.aot_cache", "enn_backend.passes"), ("enn_backend.aot_cache", "enn_backend.guard.runtime"),
+    ("enn_backend.aot_cache", "enn_backend.graph_compiler"), ("enn_backend.bench.cli", "enn_backend.bench.runner"),
+    ("enn_backend.bench.cli", "enn_backend.bench.plots"), ("enn_backend.bench.runner", "enn_backend.options"),
+    ("enn_backend.bench.runner", "enn_backend.backend"), ("enn_backend.bench.runner", "enn_backend.bench.plots"),
+    ("enn_backend.custom_ops.gemm", "enn_backend.compat"), ("enn_backend.custom_ops.gemm", "enn_backend.report"),
+    ("enn_backend.debug.cli", "enn_backend.report"), ("enn_backend.debug.cli", "enn_backend.debug.minify"),
+    ("enn_backend.debug.minify", "enn_backend.report"), ("enn_backend.debug.replay", "enn_backend.options"),
+    ("enn_backend.debug.replay", "enn_backend.graph_compiler"), ("enn_backend.debug.replay", "enn_backend.guard.faults"),
+    ("enn_backend.debug.replay", "enn_backend.guard.kernel_state"), ("enn_backend.debug.replay", "enn_backend.passes"),
+    ("enn_backend.debug.replay", "enn_backend.guard.runtime"), ("enn_backend.debug.replay", "enn_backend.report"),
+    ("enn_backend.debug.repro", "enn_backend"), ("enn_backend.debug.repro", "enn_backend.guard.graph_edit"),
+    ("enn_backend.decompositions", "enn_backend.passes.precision_decomps"),
+    ("enn_backend.decompositions", "enn_backend.passes.manager"),
+    ("enn_backend.graph_compiler", "enn_backend.custom_ops.pinned"), ("enn_backend.graph_compiler", "enn_backend.lowerings"),
+    ("enn_backend.graph_compiler", "enn_backend.debug.repro"), ("enn_backend.guard.faults", "enn_backend.options"),
+    ("enn_backend.guard.graph_edit", "enn_backend.custom_ops.pinned"), ("enn_backend.lowerings", "enn_backend.custom_ops"),
+    ("enn_backend.lowerings", "enn_backend.lowerings.faults"), ("enn_backend.lowerings", "enn_backend.lowerings.precision"),
+    ("enn_backend.lowerings", "enn_backend.lowerings.gemm"), ("enn_backend.options", "enn_backend.guard.faults"),
+}
+
+# The attention package, lowest layer first: a module imports only modules of earlier layers.
+A = "enn_backend.passes.attention"
+ATTENTION_LAYERS = (
+    {f"{A}.problem", f"{A}.match", f"{A}.emitter"},
+    {f"{A}.masks", f"{A}.regions"},
+    {f"{A}.kernels.sdpa", f"{A}.kernels.flex", f"{A}.kernels.enn_op"},
+    {f"{A}.kernels"},
+    {f"{A}.policy"},
+    {f"{A}.plan"},
+    {f"{A}.rewrite"},
+    {A},
+)
+
+
+def _modules() -> set[str]:
+    """Every enn module: the package's files, and what they import (custom_ops / lowerings are
+    installed inside the package from folders beside it)."""
+    found: set[str] = set()
+    queue = [ROOT]
+    while queue:
+        m = queue.pop()
+        if m in found:
+            continue
+        found.add(m)
+        if sources.module_file(m).endswith("__init__.py"):
+            queue += [f"{m}.{info.name}" for info in pkgutil.iter_modules(list(sources.package_dirs(m)))]
+        queue += [i.module for i in sources.imports_of(m)]
+    return found
+
+
+def _cycles(edges: dict[str, set[str]]) -> set[frozenset[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: set[frozenset[str]] = set()
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(edges[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.add(frozenset(comp))
+    return out
+
+
+def _edges() -> dict[str, set[str]]:
+    return {m: {i.module for i in sources.imports_of(m)} for m in _modules()}
+
+
+def test_no_import_cycles_beyond_the_known_ones():
+    cycles = _cycles(_edges())
+    new = [sorted(c) for c in cycles - KNOWN_CYCLES]
+    gone = [sorted(c) for c in KNOWN_CYCLES - cycles]
+    assert not new, f"new import cycle(s): {new}"
+    assert not gone, f"cycle(s) removed: delete them from KNOWN_CYCLES: {gone}"
+
+
+def test_no_function_local_imports_of_enn_modules_beyond_the_known_ones():
+    local = {(m, i.module) for m in _modules() for i in sources.imports_of(m) if not i.top_level}
+    assert not local - KNOWN_LOCAL_IMPORTS, f"function-local enn imports: {sorted(local - KNOWN_LOCAL_IMPORTS)}"
+    assert not KNOWN_LOCAL_IMPORTS - local, f"gone: delete from KNOWN_LOCAL_IMPORTS: {sorted(KNOWN_LOCAL_IMPORTS - local)}"
+
+
+def test_passes_import_no_higher_layer():
+    """The passes depend on options, report, compat, custom ops and guard/graph_edit's helpers;
+    never on the backend, the compiler, the guard runtime, the caches or the tools."""
+    higher = ("enn_backend.backend", "enn_backend.graph_compiler", "enn_backend.aot_cache", "enn_backend.guard.runtime",
+              "enn_backend.debug", "enn_backend.bench", "enn_backend.demo", "enn_backend.cli")
+    for m, deps in _edges().items():
+        if m.startswith("enn_backend.passes"):
+            bad = sorted(d for d in deps if d.startswith(higher))
+            assert not bad, f"{m} imports {bad}"
+
+
+def test_attention_layers_import_downwards():
+    rank = {m: i for i, layer in enumerate(ATTENTION_LAYERS) for m in layer}
+    attention = {m for m in _modules() if m == A or m.startswith(A + ".")}
+    assert attention == set(rank), f"modules missing from ATTENTION_LAYERS: {sorted(attention - set(rank))}"
+    for m in attention:
+        for d in (i.module for i in sources.imports_of(m)):
+            if d in rank:
+                assert rank[d] < rank[m], f"{m} imports {d}, which is not in a lower layer"
+
+
+def test_the_static_reader_sees_relative_local_and_type_checking_imports():
+    deps = {i.module: i for i in sources.imports_of(f"{A}.kernels.sdpa")}
+    assert f"{A}.emitter" in deps and deps[f"{A}.emitter"].top_level  # from ..emitter import ...
+    assert "enn_backend.custom_ops.attention" in deps  # from ....custom_ops.attention import ...
+    assert f"{A}.plan" not in deps  # imported under `if TYPE_CHECKING:` only
+    lazy = {i.module: i for i in sources.imports_of("enn_backend.decompositions")}
+    assert not lazy["enn_backend.passes.precision_decomps"].top_level  # imported inside a function
+    # `from . import x` names a submodule (an edge to it); `from .m import name` an attribute of m
+    face = {i.module for i in sources.imports_of("enn_backend.passes")}
+    assert {"enn_backend.passes.manager", f"{A}.kernels.flex"} <= face
+
+
+def test_a_pass_uuid_covers_its_own_sources_only():
+    files = {f.replace("\\", "/").rsplit("/", 2)[-2] + "/" + f.rsplit("/", 1)[-1] for f in sources.module_files(A)}
+    assert "attention/plan.py" in files and "custom_ops/attention.py" in files
+    assert not {"enn_backend/demo.py", "bench/runner.py", "enn_backend/backend.py", "passes/epilogue.py"} & files
