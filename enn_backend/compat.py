@@ -583,7 +583,11 @@ def inductor_attention_rewrites_off() -> Iterator[None]:
 # kernel is right. Checked on torch 2.11, 2.13, 2.14 and 2.15 (CPU): `fixed_in` is the first
 # release found right (None: wrong on all four; the issue is open). Each entry names the repro
 # in minifier_repros/ that covers it; it goes once enn requires a torch >= its `fixed_in`.
-# The graph compiler pins what `known_miscompiles` lists before it compiles (see README).
+# `devices`: where the wrong step lives. Runs were on CPU only; an entry lists "cuda" too only
+# where that step is a device-independent Inductor lowering (read in torch 2.13's lowering.py,
+# not run on a GPU); a CPU code-generation or CPU-only decomposition bug stays "cpu".
+# The graph compiler pins what `known_miscompiles` lists before it compiles, on every guard mode
+# (a pin is not a run-time check): enn_backend/graph_compiler.py, a `known_miscompile` report line.
 
 
 def _val(x: Any) -> Any:
@@ -592,6 +596,10 @@ def _val(x: Any) -> Any:
 
 def _dtype(x: Any) -> Any:
     return getattr(_val(x), "dtype", None)
+
+
+def _device_type(x: Any) -> Any:
+    return getattr(getattr(_val(x), "device", None), "type", None)
 
 
 def _narrow_int(dtype: Any) -> bool:
@@ -616,6 +624,7 @@ class KnownMiscompile:
     what: str  # what Inductor computes instead of eager's result
     test: str  # the repro in minifier_repros/ that covers it
     fixed_in: tuple[int, int] | None = None  # first torch release found right; None: open
+    devices: tuple[str, ...] = ("cpu",)  # device types of the node's output the bug applies on
 
 
 KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
@@ -623,7 +632,7 @@ KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
         197895, ("aten.div.Tensor_mode", "aten.floor_divide.default"), _floor_division,
         "floating floor division is floor(a / b), one too high where the exact quotient is just "
         "below an integer (1.0 // 0.1 gives 10, eager 9)",
-        "repro_upstream_197895_float_floor_division.py"),
+        "repro_upstream_197895_float_floor_division.py", devices=("cpu", "cuda")),  # lowering: div_mode
     KnownMiscompile(
         198057, ("aten.remainder.Tensor", "aten.remainder.Scalar"),
         lambda n: bool(getattr(_dtype(n), "is_floating_point", False)),
@@ -634,12 +643,12 @@ KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
         198081, ("aten.any.default", "aten.any.dim", "aten.any.dims"),
         lambda n: _dtype(n.args[0]) == torch.uint8,
         "any() of a uint8 tensor returns bool, not uint8: arithmetic on it no longer wraps",
-        "repro_upstream_198081_any_uint8_dtype.py"),
+        "repro_upstream_198081_any_uint8_dtype.py", devices=("cpu", "cuda")),  # lowering: reduce_any
     KnownMiscompile(
         197091, ("aten.ldexp.Tensor",),
         lambda n: _dtype(n.args[0]) != _dtype(n),
         "ldexp's result takes the mantissa's dtype, not the promoted one (fp16 x fp32 gives fp16)",
-        "repro_upstream_197091_ldexp_dtype.py"),
+        "repro_upstream_197091_ldexp_dtype.py", devices=("cpu", "cuda")),  # lowering: ldexp_lowering
     KnownMiscompile(
         191308, ("aten.bmm.default",), lambda n: _narrow_int(_dtype(n)),
         "an integer bmm with a size-1 row decomposes to a sum that returns int64, not the input's dtype",
@@ -655,7 +664,8 @@ KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
 def known_miscompiles(gm: torch.fx.GraphModule, version: tuple[int, int] | None = None) -> list[tuple[str, str]]:
     """``(node name, reason)`` for each node of ``gm`` (an ATen graph with ``meta['val']``,
     as AOT Autograd hands it to Inductor) that KNOWN_MISCOMPILES says Inductor computes wrong
-    on torch ``version`` (default: this one). The reason names the upstream issue."""
+    on torch ``version`` (default: this one) and on the device of the node's output. The reason
+    names the upstream issue."""
     version = TORCH_VERSION if version is None else version
     live = [e for e in KNOWN_MISCOMPILES if e.fixed_in is None or version < e.fixed_in]
     found = []
@@ -663,7 +673,7 @@ def known_miscompiles(gm: torch.fx.GraphModule, version: tuple[int, int] | None 
         if n.op != "call_function":
             continue
         for e in live:
-            if str(n.target) in e.ops and e.applies(n):
+            if str(n.target) in e.ops and _device_type(n) in e.devices and e.applies(n):
                 until = f"fixed in {e.fixed_in[0]}.{e.fixed_in[1]}" if e.fixed_in else "open"
                 found.append((n.name, f"Inductor miscompiles {n.target} on torch {version[0]}.{version[1]}: "
                                       f"{e.what} (pytorch/pytorch#{e.issue}, {until})"))
