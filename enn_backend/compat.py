@@ -11,6 +11,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import logging
+import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -482,18 +485,18 @@ def joint_fwd_bwd(fn: Callable[..., Any], args: list) -> torch.fx.GraphModule:
 
 
 # --- Inductor's own attention rewrites (enn owns attention) -------------------------------
-# Inductor's joint-graph pass registers ~120 attention patterns (fx_passes/fuse_attention.py,
-# `_sfdp_pattern_*`, 27 on 2.11, 30 on 2.13 / 2.15) into `joint_graph.patterns`, each rewriting
-# to SDPA. Their checks miss semantics: pytorch/pytorch#196468 (open, 2.11 - 2.15): a softmax
-# over another axis than the keys' is rewritten as attention and returns values off by ~3.
-# enn's own matcher decides what is attention (passes/attention.py); Inductor's patterns are
-# kept off enn's compiles only. No Inductor config switches them off alone (checked 2.11 - 2.15;
-# `pattern_matcher=False` also drops every other joint / post-grad pattern), so for the length
-# of one enn compile, in the compiling thread, `joint_graph.patterns` applies a copy of itself
-# without them. An entry is Inductor's attention pattern when the check `register_replacement`
-# made for it closes over a `replace_fn` defined in fuse_attention (2.11 - 2.15). Covered by
-# tests/test_upstream_corpus.py and minifier_repros/repro_upstream_196468_*.py; it can go when
-# enn requires a torch whose attention patterns check the softmax axis (none yet).
+# Inductor's joint-graph pass registers its attention patterns (fx_passes/fuse_attention.py,
+# `_sfdp_pattern_*`: 27 on 2.11, 30 on 2.13 / 2.15, 117 - 126 registered variants) into
+# `joint_graph.patterns`, each rewriting to SDPA. Their checks miss semantics:
+# pytorch/pytorch#196468 (open; wrong on 2.11 - 2.14, right on 2.15): a softmax over another axis
+# than the keys' is rewritten as attention and returns values off by ~3. Under enn, enn's
+# attention pass alone decides what is attention, so Inductor's patterns are kept off enn's
+# compiles on every version. No Inductor config switches them off alone (checked 2.11 - 2.15;
+# `pattern_matcher=False` also drops every other pattern pass), so for the length of one enn
+# compile, in the compiling thread, `joint_graph.patterns` applies a copy of itself without them.
+# An entry is Inductor's attention pattern when the check `register_replacement` made for it
+# closes over a `replace_fn` defined in fuse_attention (2.11 - 2.15). Covered by
+# tests/test_upstream_corpus.py and minifier_repros/repro_upstream_196468_*.py.
 _ATTENTION_MODULE = "torch._inductor.fx_passes.fuse_attention"
 _attention_off: list[int] = []  # idents of the threads inside an enn compile (nesting repeats one)
 _attention_warned: list[bool] = []
@@ -539,14 +542,10 @@ def _without_attention(registry: Any) -> Any:
 
 
 def _warn_if_unrecognized(registry: Any) -> None:
-    import sys
-
     info = getattr(getattr(sys.modules.get(_ATTENTION_MODULE), "_sfdp_init", None), "cache_info", None)
     registered = info is not None and info().currsize > 0  # Inductor has registered its patterns
     if registered and not _attention_warned and inductor_attention_rewrites(registry) == 0:
         _attention_warned.append(True)
-        import logging
-
         logging.getLogger("enn_backend").warning(
             "enn: torch %s registered Inductor's attention patterns in a form enn does not recognize; "
             "they may rewrite graphs enn's attention matcher declined (pytorch/pytorch#196468)",
@@ -554,8 +553,6 @@ def _warn_if_unrecognized(registry: Any) -> None:
 
 
 def _apply(gm: Any) -> int:
-    import threading
-
     registry = _joint_patterns()
     if threading.get_ident() not in _attention_off:
         return type(registry).apply(registry, gm)  # another thread's compile (plain Inductor)
@@ -586,7 +583,11 @@ def inductor_attention_rewrites_off() -> Iterator[None]:
 # kernel is right. Checked on torch 2.11, 2.13, 2.14 and 2.15 (CPU): `fixed_in` is the first
 # release found right (None: wrong on all four; the issue is open). Each entry names the repro
 # in minifier_repros/ that covers it; it goes once enn requires a torch >= its `fixed_in`.
-# The graph compiler pins what `known_miscompiles` lists before it compiles (see README).
+# `devices`: where the wrong step lives. Runs were on CPU only; an entry lists "cuda" too only
+# where that step is a device-independent Inductor lowering (read in torch 2.13's lowering.py,
+# not run on a GPU); a CPU code-generation or CPU-only decomposition bug stays "cpu".
+# The graph compiler pins what `known_miscompiles` lists before it compiles, on every guard mode
+# (a pin is not a run-time check): enn_backend/graph_compiler.py, a `known_miscompile` report line.
 
 
 def _val(x: Any) -> Any:
@@ -595,6 +596,10 @@ def _val(x: Any) -> Any:
 
 def _dtype(x: Any) -> Any:
     return getattr(_val(x), "dtype", None)
+
+
+def _device_type(x: Any) -> Any:
+    return getattr(getattr(_val(x), "device", None), "type", None)
 
 
 def _narrow_int(dtype: Any) -> bool:
@@ -619,6 +624,7 @@ class KnownMiscompile:
     what: str  # what Inductor computes instead of eager's result
     test: str  # the repro in minifier_repros/ that covers it
     fixed_in: tuple[int, int] | None = None  # first torch release found right; None: open
+    devices: tuple[str, ...] = ("cpu",)  # device types of the node's output the bug applies on
 
 
 KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
@@ -626,7 +632,7 @@ KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
         197895, ("aten.div.Tensor_mode", "aten.floor_divide.default"), _floor_division,
         "floating floor division is floor(a / b), one too high where the exact quotient is just "
         "below an integer (1.0 // 0.1 gives 10, eager 9)",
-        "repro_upstream_197895_float_floor_division.py"),
+        "repro_upstream_197895_float_floor_division.py", devices=("cpu", "cuda")),  # lowering: div_mode
     KnownMiscompile(
         198057, ("aten.remainder.Tensor", "aten.remainder.Scalar"),
         lambda n: bool(getattr(_dtype(n), "is_floating_point", False)),
@@ -637,12 +643,12 @@ KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
         198081, ("aten.any.default", "aten.any.dim", "aten.any.dims"),
         lambda n: _dtype(n.args[0]) == torch.uint8,
         "any() of a uint8 tensor returns bool, not uint8: arithmetic on it no longer wraps",
-        "repro_upstream_198081_any_uint8_dtype.py"),
+        "repro_upstream_198081_any_uint8_dtype.py", devices=("cpu", "cuda")),  # lowering: reduce_any
     KnownMiscompile(
         197091, ("aten.ldexp.Tensor",),
         lambda n: _dtype(n.args[0]) != _dtype(n),
         "ldexp's result takes the mantissa's dtype, not the promoted one (fp16 x fp32 gives fp16)",
-        "repro_upstream_197091_ldexp_dtype.py"),
+        "repro_upstream_197091_ldexp_dtype.py", devices=("cpu", "cuda")),  # lowering: ldexp_lowering
     KnownMiscompile(
         191308, ("aten.bmm.default",), lambda n: _narrow_int(_dtype(n)),
         "an integer bmm with a size-1 row decomposes to a sum that returns int64, not the input's dtype",
@@ -658,7 +664,8 @@ KNOWN_MISCOMPILES: tuple[KnownMiscompile, ...] = (
 def known_miscompiles(gm: torch.fx.GraphModule, version: tuple[int, int] | None = None) -> list[tuple[str, str]]:
     """``(node name, reason)`` for each node of ``gm`` (an ATen graph with ``meta['val']``,
     as AOT Autograd hands it to Inductor) that KNOWN_MISCOMPILES says Inductor computes wrong
-    on torch ``version`` (default: this one). The reason names the upstream issue."""
+    on torch ``version`` (default: this one) and on the device of the node's output. The reason
+    names the upstream issue."""
     version = TORCH_VERSION if version is None else version
     live = [e for e in KNOWN_MISCOMPILES if e.fixed_in is None or version < e.fixed_in]
     found = []
@@ -666,7 +673,7 @@ def known_miscompiles(gm: torch.fx.GraphModule, version: tuple[int, int] | None 
         if n.op != "call_function":
             continue
         for e in live:
-            if str(n.target) in e.ops and e.applies(n):
+            if str(n.target) in e.ops and _device_type(n) in e.devices and e.applies(n):
                 until = f"fixed in {e.fixed_in[0]}.{e.fixed_in[1]}" if e.fixed_in else "open"
                 found.append((n.name, f"Inductor miscompiles {n.target} on torch {version[0]}.{version[1]}: "
                                       f"{e.what} (pytorch/pytorch#{e.issue}, {until})"))

@@ -62,7 +62,7 @@ class GraphCompiler:
         donated = compat.donated_inputs() if self.phase == "backward" else []
         self.written = sorted(set(self.mutated) | set(donated))
         self.random = E.has_random_ops(self.eager_gm)
-        self.pinned_names: frozenset[str] = self._pins_from_state()
+        self.pinned_names: frozenset[str] = self._pins_from_state() | self._known_miscompile_pins()
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None
         self._safe_gm: fx.GraphModule | None = None
@@ -118,6 +118,17 @@ class GraphCompiler:
                 action=f"compiled with {len(pins)} node(s) pinned to eager", level=logging.INFO)
             announce_pins(self.state, len(pins))
         return frozenset(pins)
+
+    def _known_miscompile_pins(self) -> frozenset[str]:
+        """Nodes Inductor is known to compute wrong on this torch and device
+        (compat.KNOWN_MISCOMPILES): each runs its eager kernel, one report line each."""
+        found = compat.known_miscompiles(self.eager_gm)
+        for name, reason in found:
+            report().add_fallback(
+                FallbackKind.KNOWN_MISCOMPILE, node=name, phase=self.phase, graph=self.record, reason=reason,
+                action="pinned to its eager kernel (enn::pinned); the rest of the graph stays compiled",
+                level=logging.INFO)
+        return frozenset(name for name, _ in found)
 
     def recorded_pins(self) -> frozenset[str]:
         """Nodes not pinned yet whose kernels kernel state now records as faulty (another

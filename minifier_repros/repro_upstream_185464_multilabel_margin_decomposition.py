@@ -31,7 +31,8 @@ def make_inputs():
     return [torch.tensor([[1.0, -1.0, 0.5, 0.3, -0.2]], requires_grad=True), torch.tensor([[0, 1, -1, -1, -1]])]
 
 
-@awaiting_value_check(FIXED_IN)
+@awaiting_value_check(FIXED_IN, "enn's eager copy computes the same wrong loss (the decomposition runs while "
+                                "AOT Autograd traces), and the value check has no Dynamo-graph reference")
 def test_upstream_185464_multilabel_margin_decomposition():
     assert not check(multilabel_margin, make_inputs, grad=True)
 

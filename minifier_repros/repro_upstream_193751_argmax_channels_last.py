@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from upstream_corpus import awaiting_known_bad_pins, check, main
+from upstream_corpus import check, main
 
 ISSUE = 193751
 MECHANISM = "known_bad"
@@ -29,7 +29,6 @@ def make_inputs():
     return [torch.randn(4, 4, 8, 8, generator=g).to(memory_format=torch.channels_last)]
 
 
-@awaiting_known_bad_pins(FIXED_IN)
 def test_upstream_193751_argmax_channels_last():
     assert not check(argmax_of_mean, make_inputs)
 

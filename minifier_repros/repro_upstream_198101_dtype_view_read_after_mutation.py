@@ -32,7 +32,8 @@ def make_inputs():
     return [torch.arange(-12, 12, dtype=torch.int64).reshape(4, 6)]
 
 
-@awaiting_value_check(FIXED_IN)
+@awaiting_value_check(FIXED_IN, "the output is an integer tensor, which the value check compares by dtype and "
+                                "shape only (guard/screen.py same_values)")
 def test_upstream_198101_dtype_view_read_after_mutation():
     assert not check(view_then_mutate, make_inputs)
 

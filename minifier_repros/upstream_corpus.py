@@ -36,18 +36,10 @@ def inductor_wrong(fixed_in: tuple[int, int] | None) -> bool:
 
 
 # Cases no enn mechanism covers yet (issue #18), marked strict: once one passes, its mark must go.
-# The guard's value check is wired and catches the others; these it misses (an index reduction's
-# integer values, which it compares by dtype and shape only; writes through aliases it does not see;
-# a decomposition applied before the graph reaches enn), and compat.known_miscompiles is not yet
-# pinned by the graph compiler.
-def awaiting_value_check(fixed_in: tuple[int, int] | None = None) -> Any:
+# ``why``: one line, what the guard's value check (guard="values" included) misses in this case.
+def awaiting_value_check(fixed_in: tuple[int, int] | None, why: str) -> Any:
     return pytest.mark.xfail(inductor_wrong(fixed_in), strict=True, raises=AssertionError,
-                             reason="the guard's value check does not catch this case yet (issue #18)")
-
-
-def awaiting_known_bad_pins(fixed_in: tuple[int, int] | None = None) -> Any:
-    return pytest.mark.xfail(inductor_wrong(fixed_in), strict=True, raises=AssertionError,
-                             reason="needs the graph compiler to pin compat.known_miscompiles (issue #18)")
+                             reason=f"the guard's value check does not catch this case yet (issue #18): {why}")
 
 
 def _clone(x: Any) -> Any:

@@ -100,7 +100,7 @@ class FaultPlan:
     backward graph (compiled lazily, at the first backward) or the inference graph (a unit
     with no backward). A spec that matches in some graphs of the unit only (``any`` planted
     in the forward graph alone) planted something. Nodes of the op left out because they are
-    pinned to eager count as reached: the ``pinned_from_state`` line says so already.
+    pinned to eager count as reached: their ``pinned_from_state`` or ``known_miscompile`` line says so.
 
     Each spec that planted nothing is a WARNING and a ``fault_not_planted`` report line, with
     the likely reason: no such op, the op is decomposed before faults are planted (``aten.gelu``:
