@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from upstream_corpus import awaiting_value_check, check, main
+from upstream_corpus import check, main
 
 ISSUE = 198270
 MECHANISM = "value_check"
@@ -30,9 +30,6 @@ def make_inputs():
     return [torch.rand(4, 8, generator=torch.Generator().manual_seed(0))]
 
 
-@awaiting_value_check(FIXED_IN, "the difference is in the input written in place, and the fp64 judge takes that "
-                                "input's pre-call value as its fp64 result (promote writes into cast copies), so "
-                                "eager is ruled the outlier")
 def test_upstream_198270_index_put_then_flip_add():
     assert not check(index_put_then_flip_add, make_inputs)
 

@@ -9,11 +9,14 @@ import threading
 
 import pytest
 import torch
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import enn_backend
+from enn_backend.guard import graph_edit as E
 from enn_backend.guard import runtime as R
 
 from _models import assert_close_step, make, train_step
+from attention_cases import B, D, H, T, heads_of_hidden
 
 ISOLATED = {"attention": False, "epilogue": False, "persist": False, "repro": False}
 
@@ -181,8 +184,6 @@ def test_a_fused_backward_whose_gradients_are_viewed_is_rerun_and_pinned():
     """BERT's layout: the fused backward's gradients reach q / k / v through permutes and views.
     A NaN there is re-run eagerly on the graph as enn compiled it (valid ATen), the kernel is
     pinned, and the step's gradients equal eager's."""
-    from attention_cases import B, D, H, T, heads_of_hidden
-
     g = torch.Generator().manual_seed(0)
     x = [torch.randn(B, T, H * D, generator=g, requires_grad=True) for _ in range(3)]
     opts = {**ISOLATED, "attention": True, "attention_backend": "explicit",
@@ -196,3 +197,23 @@ def test_a_fused_backward_whose_gradients_are_viewed_is_rerun_and_pinned():
         torch.testing.assert_close(got, want)
     (fb,) = enn_backend.report().to_dict()["fallbacks"]
     assert fb["kind"] == "nonfinite" and fb["phase"] == "backward", fb
+
+
+@pytest.mark.parametrize("target", [torch.float32, torch.float64])
+def test_a_promoted_graph_writes_into_its_narrower_inputs(target):
+    """The fp32 retry and the fp64 judge run a promoted copy of the graph. What it writes into
+    an input (an fp16 running statistic) reaches the input, rounded to its dtype."""
+    def step(x, running):
+        running.mul_(0.5).add_(x.mean(0), alpha=0.5)
+        return (x * 2,)
+
+    x, running = torch.randn(8, 4, dtype=torch.float16), torch.randn(4, dtype=torch.float16)
+    gm = make_fx(torch.func.functionalize(step), tracing_mode="fake")(x, running)
+    assert E.mutated_input_indices(gm) == [1]
+    expected = running.clone()
+    want = step(x, expected)
+    got_running = running.clone()
+    got = E.promote(gm, target)(x, got_running)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_running, expected, atol=1e-3, rtol=1e-3)
+    assert not torch.equal(got_running, running)

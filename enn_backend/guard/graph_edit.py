@@ -177,8 +177,9 @@ def promote(gm: fx.GraphModule, target: torch.dtype) -> fx.GraphModule:
 
     Narrower inputs are cast up on entry, every dtype argument naming a narrower float dtype
     becomes ``target`` (for fp32 this undoes autocast's casts), and outputs are cast back to
-    their original dtype so the graph's callers see no change of contract. Writes into inputs
-    go to the cast copies: the promoted graph leaves a narrower input unchanged.
+    their original dtype so the graph's callers see no change of contract. What the graph
+    writes into a narrower input (a running statistic, an optimizer state) it writes into the
+    cast copy, which is copied back into the input at the end: the caller sees the write.
     """
     narrower = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d.itemsize < target.itemsize)
     gm = copy_gm(gm)
@@ -189,6 +190,7 @@ def promote(gm: fx.GraphModule, target: torch.dtype) -> fx.GraphModule:
         return retarget_dtypes(x, narrower, target)
 
     out_node = next(n for n in graph.nodes if n.op == "output")
+    copies: dict[fx.Node, fx.Node] = {}  # narrower placeholder -> its cast copy
     for n in list(graph.nodes):
         if n.op == "placeholder":
             v = _val(n)
@@ -196,11 +198,18 @@ def promote(gm: fx.GraphModule, target: torch.dtype) -> fx.GraphModule:
                 with graph.inserting_after(n):
                     c = graph.call_function(up, (n, target))
                 n.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+                copies[n] = c
         elif n.op == "call_function" and n is not out_node:
             if getattr(n.target, "_schema", None) is not None and n.target._schema.name == "aten::view" and len(n.args) == 2 and isinstance(n.args[1], torch.dtype):
                 continue  # a bitcast: its dtype is not a precision choice
             n.args = fix(n.args)
             n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+
+    # what the graph wrote into a cast copy goes back into the input, rounded to its dtype
+    for placeholder, c in copies.items():
+        if any(_writes(u, c) for u in c.users):
+            with graph.inserting_before(out_node):
+                graph.call_function(torch.ops.aten.copy_.default, (placeholder, c))
 
     outs = out_node.args[0]
     new_outs = []
@@ -225,18 +234,18 @@ def _refresh_meta(gm: fx.GraphModule) -> None:
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
 
 
+def _writes(n: fx.Node, target: fx.Node) -> bool:
+    """``n`` writes into ``target`` (an argument its schema marks as written)."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    return any(arg.alias_info is not None and arg.alias_info.is_write and a is target
+               for arg, a in zip(n.target._schema.arguments, n.args))
+
+
 def mutated_input_indices(gm: fx.GraphModule) -> list[int]:
     """Indices of placeholders the graph writes into (``copy_`` epilogues of AOT)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    index = {n: i for i, n in enumerate(placeholders)}
-    out = set()
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            schema = n.target._schema
-            for arg, a in zip(schema.arguments, n.args):
-                if arg.alias_info is not None and arg.alias_info.is_write and a in index:
-                    out.add(index[a])
-    return sorted(out)
+    return [i for i, p in enumerate(placeholders) if any(_writes(u, p) for u in p.users)]
 
 
 def has_random_ops(gm: fx.GraphModule) -> bool:

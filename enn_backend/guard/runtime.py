@@ -341,7 +341,7 @@ class GuardedGraph:
             log.info("enn: graph %s: no fp64 run to judge a value difference (%s: %s); nobody blamed",
                      self.record.id, type(exc64).__name__, exc64)
             return False
-        ref64 += [call.inputs[i] for i in self.compiler.mutated]  # (the fp64 graph writes into copies)
+        ref64 += [call.inputs[i].clone() for i in self.compiler.mutated]  # its writes, rounded to the inputs' dtype
         return any(compiled_is_worse(got[i], ref[i], ref64[i], bool(self.low_precision))
                    for i in off if i < len(ref64))
 
