@@ -19,9 +19,9 @@ A key of ``options=`` that is not enn's goes to Inductor's config, as the same d
 under ``backend="inductor"`` (``"max_autotune"``, ``"triton.cudagraphs"``): it is checked
 against Inductor's config as torch checks it there and kept in :attr:`Options.inductor`.
 A key that is neither enn's nor Inductor's, or a bad value anywhere, raises
-:class:`OptionsError` naming the valid choices (the closest keys for a misspelling). An unknown ``ENN_*`` variable is logged once (a warning naming
-the valid ones) and otherwise ignored: a stray variable in a shell must not break every
-compile.
+:class:`OptionsError` naming the valid choices (the closest keys for a misspelling). An
+unknown ``ENN_*`` variable is logged once (a warning naming the valid ones) and otherwise
+ignored: a stray variable in a shell must not break every compile.
 """
 
 from __future__ import annotations
