@@ -4,7 +4,7 @@ Dynamo hands over one captured FX graph and its example inputs; enn compiles it 
 Inductor's ``compile_fx`` plus enn's passes, decompositions, lowerings and guard:
 
     options -> compile_fx(decompositions = Inductor's + enn's,
-                          config_patches = mode + enn's joint / post-grad passes,
+                          config_patches = mode + Inductor's options + enn's joint / post-grad passes,
                           inner_compile  = enn's: compile each fwd/bwd graph, wrap in the guard)
 
 Compile failures walk a ladder, each step recorded in the report: without the
@@ -38,10 +38,11 @@ log = logging.getLogger(__name__)
 def enn(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
         options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """Compile ``gm`` for ``torch.compile(..., backend="enn", mode=..., options=...)``."""
-    opts = Options.from_sources(options, mode)
+    opts = Options.from_sources(options, mode, inductor_config=compat.inductor_option_types())
     if opts.disable:
         log.info("enn disabled (ENN_DISABLE / options['disable']): compiling with plain Inductor")
-        return compat.inductor_compile_fx(gm, example_inputs, config_patches=compat.mode_config_patches(opts.mode))
+        return compat.inductor_compile_fx(gm, example_inputs,
+                                          config_patches=compat.inductor_config_patches(opts.mode, opts.inductor))
     return compile_unit(gm, list(example_inputs), opts)
 
 
@@ -80,7 +81,7 @@ def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
 
 def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str,
                       pristine: fx.GraphModule) -> Callable[..., Any]:
-    patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
+    patches: dict[str, Any] = compat.inductor_config_patches(opts.mode, opts.inductor)
     # joint_pre runs before Inductor's joint-graph passes (its fuse_attention would take
     # attention patterns first, with other masked-row semantics); joint runs after them.
     patches["joint_custom_pre_pass"] = PassManager(opts, unit, "joint_pre")
@@ -157,7 +158,7 @@ def _plain_inductor_or_eager(gm: fx.GraphModule, example_inputs: list, opts: Opt
     try:
         with compat.inductor_attention_rewrites_off():
             return compat.inductor_compile_fx(_fresh(gm), example_inputs,
-                                              config_patches=compat.mode_config_patches(opts.mode))
+                                              config_patches=compat.inductor_config_patches(opts.mode, opts.inductor))
     except Exception as exc:  # noqa: BLE001
         report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=unit,
                               reason=f"plain Inductor failed too: {type(exc).__name__}: {str(exc).strip()[:300]}",

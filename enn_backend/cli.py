@@ -13,7 +13,11 @@ Each command lives in its own module and exposes ``main(argv) -> int``:
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
+
+from . import __version__
 
 COMMANDS = {
     "doctor": ("enn_backend.doctor", "main", "check this machine: versions, devices, kernels, cache, entry point"),
@@ -26,19 +30,33 @@ COMMANDS = {
 
 
 def usage() -> str:
-    lines = ["usage: python -m enn_backend <command> [args]", "", "commands:"]
+    lines = ["usage: python -m enn_backend <command> [args]   (<command> --help: its arguments)",
+             "       python -m enn_backend --version", "", "commands:"]
     lines += [f"  {name:<8} {doc}" for name, (_, _, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; exit status 0 ok, 1 the command found a problem, 2 bad arguments or
+    files, 128 + SIGPIPE when the reader of the output went away (``| head``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
+        return 0
+    if argv[0] == "--version":
+        print(f"enn_backend {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"enn: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return int(getattr(importlib.import_module(module), func)(rest) or 0)
+    try:
+        status = int(getattr(importlib.import_module(module), func)(rest) or 0)
+        sys.stdout.flush()  # a closed pipe raises here, not in the interpreter's exit
+    except BrokenPipeError:
+        # The reader stopped reading: stop quietly, as a Unix tool killed by SIGPIPE does.
+        # stdout goes to /dev/null so that the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+    return status

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import sys
 import threading
+import typing
 from typing import Any, Callable, Iterator
 
 import torch
@@ -74,6 +76,24 @@ def mode_config_patches(mode: str) -> dict[str, Any]:
     from torch._inductor import list_mode_options
 
     return dict(list_mode_options(mode))
+
+
+@functools.cache
+def inductor_option_types() -> dict[str, Any]:
+    """Inductor's config keys as ``torch.compile(backend="inductor", options=...)`` takes them
+    (nested ones dotted: ``"triton.cudagraphs"``), each with the class a value must be an
+    instance of, or None where the declared type is no plain class (``int | None``,
+    ``list[str]``): the check of ``_TorchCompileInductorWrapper.apply_options``
+    (torch/__init__.py, the same on 2.11 to 2.15)."""
+    return {name: (kind if typing.get_origin(kind := inductor_config.get_type(name)) is None else None)
+            for name in inductor_config.get_config_copy()}
+
+
+def inductor_config_patches(mode: str, options: Any) -> dict[str, Any]:
+    """Inductor's config for an enn compile: ``mode``'s patches, then the Inductor keys of
+    ``options=`` (``(key, value)`` pairs, enn_backend.options.Options.inductor), which win
+    where both set a key."""
+    return {**mode_config_patches(mode), **dict(options)}
 
 
 def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:

@@ -24,13 +24,30 @@ from .models import gpt_small
 from .report import report, reset
 
 
+def _device(text: str) -> torch.device:
+    """A device this torch can run the demo on (argparse turns the error into exit status 2)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError as exc:
+        raise argparse.ArgumentTypeError(str(exc).splitlines()[0]) from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the demo runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else "no CUDA device found"
+        raise argparse.ArgumentTypeError(f"{text!r}: CUDA is not available (torch {torch.__version__}: {build})")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m enn_backend demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda or cuda:N (default: cuda where available)")
     ap.add_argument("--steps", type=int, default=3, help="training steps compared with eager")
     ap.add_argument("--reps", type=int, default=10, help="timed steps per backend")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    device = args.device
     on_gpu = device.type == "cuda"
     size, dtype = ("gpu-real", "bf16") if on_gpu else ("cpu-small", "fp32")
     overrides = dict(n_layer=2, batch=8) if on_gpu else {}

@@ -8,6 +8,7 @@ Exits non-zero if something enn needs is broken.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import platform
@@ -59,6 +60,8 @@ def _kernel_state(opts: Options) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m enn_backend doctor", description="What enn sees on this machine: torch and Triton versions, devices, usable attention kernels, the options in effect, cache folders, kernel state, and whether backend='enn' resolves.",
+                            epilog="Exit status: 0 ok, 1 a problem found (see the output), 2 bad arguments.").parse_args(argv)
     ok = True
     print(f"enn {__version__}  (python {platform.python_version()}, {platform.machine()})")
     print(f"torch {torch.__version__}  triton {compat.triton_version() or 'not installed'}")

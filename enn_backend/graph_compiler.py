@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shlex
 import time
 from typing import Any, Callable
 
@@ -24,7 +25,7 @@ import torch.fx as fx
 
 from . import aot_cache, compat
 from .guard import graph_edit as E
-from .guard.kernel_state import KernelState, announce_pins, graph_key, node_key, state_for
+from .guard.kernel_state import KernelState, announce_pins, graph_key, node_key, state_command, state_for
 from .guard.runtime import GuardedGraph
 from .debug.log import log_compiled_graph
 from .options import Options
@@ -112,10 +113,18 @@ class GraphCompiler:
     def _pins_from_state(self) -> frozenset[str]:
         pins = self._state_pins()
         if pins:
-            report().add_fallback(
-                FallbackKind.PINNED_FROM_STATE, node=",".join(pins), phase=self.phase, graph=self.record,
-                reason=f"kernel state in {self.state.path or 'memory'} records faults for these kernels",
-                action=f"compiled with {len(pins)} node(s) pinned to eager", level=logging.INFO)
+            reason = f"kernel state in {self.state.path or 'memory'} records faults for these kernels"
+            action = f"compiled with {len(pins)} node(s) pinned to eager"
+            strict = self.opts.guard == "strict" and self.state.path is not None
+            if strict:  # strict would raise at their fault: say which pins hide it and how to lift them
+                keys = sorted({node_key(self.node(n)) or n for n in pins})
+                clear = state_command(self.state, "clear")
+                reason += f" in an earlier run, so guard='strict' does not check them (kernels {', '.join(keys)})"
+                action += (f"; to check them again, clear the pin: {clear} --key {shlex.quote(keys[0])}" if len(keys) == 1
+                           else f"; to check them again, clear the pins: {clear} (or --key KEY for one of them)")
+            report().add_fallback(FallbackKind.PINNED_FROM_STATE, node=",".join(pins), phase=self.phase,
+                                  graph=self.record, reason=reason, action=action,
+                                  level=logging.WARNING if strict else logging.INFO)
             announce_pins(self.state, len(pins))
         return frozenset(pins)
 

@@ -15,15 +15,19 @@ every compile of a program without editing the code that calls ``torch.compile``
 options that code passes. They are diagnostics, not configuration: no program has a reason
 to stop them. Every other variable is a default that code may change.
 
-An unknown key in ``options=`` or a bad value anywhere raises :class:`OptionsError`
-naming the valid choices. An unknown ``ENN_*`` variable is logged once (a warning naming
-the valid ones) and otherwise ignored: a stray variable in a shell must not break every
-compile.
+A key of ``options=`` that is not enn's goes to Inductor's config, as the same dict does
+under ``backend="inductor"`` (``"max_autotune"``, ``"triton.cudagraphs"``): it is checked
+against Inductor's config as torch checks it there and kept in :attr:`Options.inductor`.
+A key that is neither enn's nor Inductor's, or a bad value anywhere, raises
+:class:`OptionsError` naming the valid choices (the closest keys for a misspelling). An
+unknown ``ENN_*`` variable is logged once (a warning naming the valid ones) and otherwise
+ignored: a stray variable in a shell must not break every compile.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import logging
@@ -48,6 +52,9 @@ log = logging.getLogger(__name__)
 
 # Environment variables that beat options= given in code (see the module docstring).
 OVERRIDE_ENV = ("ENN_DISABLE", "ENN_GUARD")
+
+# Inductor config keys enn sets for its own passes (enn_backend.backend): options= cannot set them.
+ENN_INDUCTOR_HOOKS = frozenset({"joint_custom_pre_pass", "joint_custom_post_pass", "post_grad_custom_post_pass"})
 
 
 class OptionsError(ValueError):
@@ -192,6 +199,13 @@ class Options:
             choices=COMPILE_MODES,
         ),
     )
+    inductor: tuple[tuple[str, Any], ...] = field(
+        default=(),
+        metadata=_meta(
+            "",
+            "Inductor config patches, as (key, value) pairs: every key of options= that is not enn's (or options={'inductor': {...}}), checked against Inductor's config.",
+        ),
+    )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -204,13 +218,16 @@ class Options:
         options: Mapping[str, Any] | None = None,
         mode: str | None = None,
         environ: Mapping[str, str] | None = None,
+        inductor_config: Mapping[str, Any] | None = None,
     ) -> "Options":
         """Build options from defaults, ``ENN_*`` env vars, ``mode=`` and ``options=``, then
-        the override variables (:data:`OVERRIDE_ENV`)."""
+        the override variables (:data:`OVERRIDE_ENV`). ``inductor_config`` maps Inductor's
+        config keys to the class of their values (enn_backend.compat.inductor_option_types):
+        the keys of ``options=`` that are not enn's are checked against it (without it, refused)."""
         environ = os.environ if environ is None else environ
         from_env: dict[str, Any] = {}
         overrides: dict[str, Any] = {}
-        known_env = {f.metadata["env"]: f for f in fields(cls)}
+        known_env = {f.metadata["env"]: f for f in fields(cls) if f.metadata["env"]}
         for name, raw in environ.items():
             if not name.startswith("ENN_") or name in _NON_OPTION_ENV:
                 continue
@@ -222,12 +239,19 @@ class Options:
         from_code: dict[str, Any] = {}
         if mode is not None:
             from_code["mode"] = _coerce(_field("mode"), mode, "mode=")
+        inductor: dict[str, Any] = {}
         for key, raw in (options or {}).items():
-            if key not in cls.names():
-                raise OptionsError(
-                    f"enn: unknown option {key!r}. Valid options: {', '.join(cls.names())}"
-                )
-            from_code[key] = _coerce(_field(key), raw, f"options[{key!r}]")
+            if key == "inductor":
+                if not isinstance(raw, (Mapping, tuple, list)):
+                    raise OptionsError(f"enn: options['inductor'] must be a dict of Inductor config keys, got {raw!r}")
+                for k, v in dict(raw).items():
+                    inductor[_inductor_key(k, v, inductor_config, enn_keys=False)] = v
+            elif key in cls.names():
+                from_code[key] = _coerce(_field(key), raw, f"options[{key!r}]")
+            else:
+                inductor[_inductor_key(key, raw, inductor_config, enn_keys=True)] = raw
+        if inductor:
+            from_code["inductor"] = tuple(sorted(inductor.items()))
         return cls(**{**from_env, **from_code, **overrides})
 
     def __post_init__(self) -> None:
@@ -258,7 +282,8 @@ class Options:
     def codegen_hash(self) -> str:
         """Hash of the options that change generated code; feeds every pass uuid()."""
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["codegen"]}
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        # default=repr: an Inductor option's value may be an object (a custom pass)
+        return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -283,6 +308,24 @@ def _warn_unknown_env(name: str, known: Mapping[str, Any]) -> None:
     _warned_env.add(name)
     log.warning("enn: ignoring unknown environment variable %s (a misspelling?). Valid: %s",
                 name, ", ".join(sorted([*known, *_NON_OPTION_ENV])))
+
+
+def _inductor_key(key: str, value: Any, inductor_config: Mapping[str, Any] | None, enn_keys: bool) -> str:
+    """Inductor's name for an ``options=`` key that is not enn's (``-`` reads as ``_``),
+    checked as ``backend="inductor"`` checks it: a key of its config, a value of its class."""
+    name = key.replace("-", "_")
+    known = inductor_config or {}
+    if name not in known:
+        close = difflib.get_close_matches(name, [*(Options.names() if enn_keys else ()), *known], n=3)
+        raise OptionsError(
+            f"enn: unknown option {key!r}: not one of enn's options ({', '.join(Options.names())}) nor a key of "
+            f"Inductor's config (torch._inductor.config).{' Closest: ' + ', '.join(close) + '.' if close else ''}")
+    if name in ENN_INDUCTOR_HOOKS:
+        raise OptionsError(f"enn: option {key!r} is Inductor's hook for enn's own passes; enn cannot take it from options=")
+    kind = known[name]
+    if kind is not None and not isinstance(value, kind):
+        raise OptionsError(f"enn: Inductor option {key!r} must be a {kind.__name__}, got {type(value).__name__} {value!r}")
+    return name
 
 
 _TRUE = {"1", "true", "yes", "on"}

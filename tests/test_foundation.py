@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import enn_backend
+from enn_backend import compat
 from enn_backend import options as options_module
 from enn_backend.options import OVERRIDE_ENV, Options, OptionsError, options_table
 
@@ -96,6 +97,55 @@ def test_a_stray_env_variable_does_not_break_a_compile(monkeypatch, caplog):
     assert "ignoring unknown environment variable ENN_GAURD" in caplog.text
 
 
+INDUCTOR = compat.inductor_option_types()
+
+
+def test_keys_enn_does_not_own_are_inductors_options():
+    """options= takes Inductor's keys as backend="inductor" does: flat, dotted, with '-' for '_',
+    or under 'inductor'; a misspelling names the closest keys of both; a wrong type is refused."""
+    opts = Options.from_sources({"max_autotune": True, "triton.cudagraphs": False, "epilogue_fusion-first": True,
+                                 "guard": "off"}, environ={}, inductor_config=INDUCTOR)
+    assert (opts.guard, opts.inductor) == ("off", (("epilogue_fusion_first", True), ("max_autotune", True),
+                                                   ("triton.cudagraphs", False)))
+    assert Options.from_sources({"inductor": {"max_autotune": True}}, environ={}, inductor_config=INDUCTOR) \
+        == Options(inductor=(("max_autotune", True),))
+    assert Options.from_sources({"emulate_precision_casts": True}, environ={},  # enn's own key: its option
+                                inductor_config=INDUCTOR) == Options(emulate_precision_casts=True)
+    with pytest.raises(OptionsError, match=r"unknown option 'max_autotun'.*Closest: max_autotune"):
+        Options.from_sources({"max_autotun": True}, environ={}, inductor_config=INDUCTOR)
+    with pytest.raises(OptionsError, match=r"unknown option 'triton.cudagraph'.*Closest: triton.cudagraphs"):
+        Options.from_sources({"triton.cudagraph": True}, environ={}, inductor_config=INDUCTOR)
+    with pytest.raises(OptionsError, match=r"unknown option 'gaurd'.*Closest: guard"):
+        Options.from_sources({"gaurd": "off"}, environ={}, inductor_config=INDUCTOR)
+    with pytest.raises(OptionsError, match=r"Inductor option 'max_autotune' must be a bool, got str 'yes'"):
+        Options.from_sources({"inductor": {"max_autotune": "yes"}}, environ={}, inductor_config=INDUCTOR)
+    with pytest.raises(OptionsError, match="hook for enn's own passes"):
+        Options.from_sources({"post_grad_custom_post_pass": print}, environ={}, inductor_config=INDUCTOR)
+    with pytest.raises(OptionsError, match="unknown option 'max_autotune'"):  # no Inductor config to check against
+        Options.from_sources({"max_autotune": True}, environ={})
+    assert opts.codegen_hash() != opts.replace(inductor=()).codegen_hash()
+    # a repro saves the option as its pairs and reads them back
+    assert Options.from_sources({"inductor": opts.inductor}, environ={}, inductor_config=INDUCTOR).inductor == opts.inductor
+
+
+def test_inductor_options_reach_every_inductor_compile_of_a_graph():
+    """The Inductor keys of options= are in Inductor's config while it compiles enn's graphs: the
+    first compile and the guard's recompile after a fault (a NaN planted after the mul)."""
+    seen = []
+
+    def probe(graph):  # Inductor's post_grad_custom_pre_pass: runs inside each graph's compile
+        seen.append((compat.inductor_config.size_asserts, compat.inductor_config.triton.debug_sync_graph))
+
+    assert (compat.inductor_config.size_asserts, compat.inductor_config.triton.debug_sync_graph) == (True, False)
+    f = torch.compile(lambda x: torch.sin(x) * 2, backend="enn",
+                      options={"size_asserts": False, "triton.debug_sync_graph": True, "post_grad_custom_pre_pass": probe,
+                               "persist": False, "fault_inject": "aten.mul:nan:fwd"})
+    x = torch.randn(8)
+    torch.testing.assert_close(f(x), torch.sin(x) * 2)  # the guard pinned the mul and recompiled
+    assert len(seen) >= 2 and set(seen) == {(False, True)}, seen
+    assert enn_backend.report().to_dict()["graphs"][0]["pinned"] == ["mul"]
+
+
 def test_each_test_has_its_own_enn_state(tmp_path):
     """conftest.py gives every test its own kernel-state and repro folders (nothing is shared
     with another test, nor with the user's ~/.cache/enn)."""
@@ -111,8 +161,8 @@ def test_codegen_hash_ignores_runtime_only_options():
 
 
 def test_every_option_is_documented():
-    for name, env, _default, doc in options_table():
-        assert env.startswith("ENN_") and doc, name
+    for name, env, _default, doc in options_table():  # Inductor reads its own TORCHINDUCTOR_* variables
+        assert (env.startswith("ENN_") or name == "inductor") and doc, name
 
 
 def test_compile_rejects_unknown_option_before_running():

@@ -7,6 +7,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shlex
 import socket
 import time
 
@@ -158,6 +159,26 @@ def test_a_model_compiles_with_a_corrupt_entry_and_applies_only_valid_current_pi
     assert sum("fail_count must be a positive integer" in w for w in warnings) == 1, warnings
     announced = [w for w in warnings if "run eagerly" in w]
     assert len(announced) == 1 and f"python -m enn_backend state clear --cache-dir {tmp_path}" in announced[0]
+
+
+def test_strict_mode_names_the_persisted_pin_that_hides_a_kernel_and_the_command_that_clears_it(
+        tmp_path, monkeypatch, caplog):
+    """guard='strict' after a faulting run: the kernel kernel state pinned is not compiled, so strict
+    cannot check it; a warning and the report say which pin and how to clear it (and that works)."""
+    monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path))
+    _write_state(tmp_path, [_entry(KEY)])
+    model, x = _mlp()
+    with caplog.at_level(logging.WARNING, logger="enn_backend"), torch.no_grad():
+        compiled = torch.compile(model, backend="enn", options={"guard": "strict", "attention": False, "epilogue": False})
+        torch.testing.assert_close(compiled(x), model(x))
+    [fb] = enn_backend.report().to_dict()["fallbacks"]
+    assert fb["kind"] == "pinned_from_state" and fb["node"] == "addmm"
+    assert f"guard='strict' does not check them (kernels {KEY})" in fb["reason"]
+    warned = [r.getMessage() for r in caplog.records if "guard='strict' does not check" in r.getMessage()]
+    assert len(warned) == 1 and "pinned_from_state" in warned[0]
+    command = shlex.split(fb["action"].split("clear the pin: ")[1])
+    assert command == ["python", "-m", "enn_backend", "state", "clear", "--cache-dir", str(tmp_path), "--key", KEY]
+    assert cli.main(command[3:]) == 0 and _on_disk(tmp_path) == {}
 
 
 @pytest.mark.parametrize("content", ["{\"format\": \"enn-kernel-state\", \"vers", "garbage\x00\x01", "[" * 100000,

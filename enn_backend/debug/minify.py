@@ -60,7 +60,8 @@ def load_script(path: str) -> Any:
         raise MinifyError(f"no repro script at {path}")
     name = f"enn_repro_{abs(hash(os.path.abspath(path)))}"
     spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise MinifyError(f"{path} is not a Python script: give a repro folder written by enn, or its repro.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:

@@ -188,7 +188,7 @@ def resolve_options(options: dict[str, Any]) -> Any:
     fast path (compile errors raise), no persisted kernel state, no new repro scripts."""
     from ..options import Options
 
-    opts = Options.from_sources(options)
+    opts = Options.from_sources(options, inductor_config=compat.inductor_option_types())
     return opts.replace(guard="strict", persist=False, repro=False)
 
 
@@ -200,7 +200,7 @@ def fast_path(gm: fx.GraphModule, phase: str, opts: Any) -> Callable[[list], Any
     from ..guard.kernel_state import KernelState
     from ..passes import PassManager
 
-    patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
+    patches: dict[str, Any] = compat.inductor_config_patches(opts.mode, opts.inductor)
     patches["post_grad_custom_post_pass"] = PassManager(opts, "repro", "post_grad")
     if opts.emulate_precision_casts:
         patches["emulate_precision_casts"] = True
@@ -397,11 +397,11 @@ def guarded_problems(module: Callable[..., Any], inputs: Sequence[Any], *, phase
     eager, eager_exc = _run_eager(module, inputs)
     if eager_exc is not None:
         return [f"eager raises: {_one_line(eager_exc)}"]
-    opts = Options.from_sources(options).replace(persist=False, repro=False)
+    opts = Options.from_sources(options, inductor_config=compat.inductor_option_types()).replace(persist=False, repro=False)
     if opts.guard in ("off", "strict"):
         opts = opts.replace(guard="nonfinite")
     gm = trace(module, inputs)
-    patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
+    patches: dict[str, Any] = compat.inductor_config_patches(opts.mode, opts.inductor)
     patches["post_grad_custom_post_pass"] = PassManager(opts, "corpus", "post_grad")
     fake_inputs = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     start = len(report().fallbacks)
