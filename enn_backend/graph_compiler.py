@@ -201,9 +201,8 @@ class GraphCompiler:
         from enn_backend.lowerings import enn_lowerings
 
         patches = dict(self.config_patches)
-        if not enn:
-            for key in ("post_grad_custom_post_pass", "post_grad_custom_pre_pass"):
-                patches.pop(key, None)
+        if not enn:  # None, not absent: compile_fx's own patch around a first compile still holds enn's passes
+            patches.update(post_grad_custom_post_pass=None, post_grad_custom_pre_pass=None)
         # compile_lock: the guard recompiles at run time, possibly while another thread compiles
         with compat.compile_lock(), compat.tracing_context(self.tracing_ctx), compat.inductor_config.patch(patches), \
                 enn_lowerings(enabled=enn):
