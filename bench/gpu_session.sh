@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install enn (no network there), then run the named stages.
-#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard epilogue attention precision tests bench demo)
+#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision tests hfguard bench demo)
 # Each stage's output goes to $OUT/<stage>.log and its JSON to $OUT.
 set -u
 export PYTHONUNBUFFERED=1
@@ -15,7 +15,8 @@ for stage in "$@"; do
     epilogue)  python3 bench/gpu_epilogue.py ;;
     attention) python3 bench/gpu_attention.py ;;
     precision) python3 bench/gpu_precision.py ;;
-    tests)     python3 -m pytest -q -m gpu -p no:cacheprovider tests/ ;;
+    tests)     python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/ ;;
+    hfguard)   python3 bench/gpu_hf_guard.py ;;
     bench)     python3 -m enn_backend bench --preset gpu --out "$OUT/bench" ;;
     demo)      python3 -m enn_backend demo ;;
     *) echo "unknown stage $stage" ;;

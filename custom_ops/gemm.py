@@ -187,13 +187,13 @@ def check_onednn(p: GemmProblem, caps: HwCaps) -> tuple[bool, str]:
         if not caps.onednn_bf16:
             return False, "this CPU has no native bf16 GEMM in oneDNN"
         return True, (f"oneDNN bf16 GEMM with {p.act} post-op: 1.1-3x faster than Inductor's addmm + "
-                      "C++ pointwise on CPU (custom_ops/gemm.py CPU_MEASUREMENTS)")
+                      "C++ pointwise, measured on CPU")
     if p.dtype == torch.float16:
         if not caps.onednn_fp16:
             return False, "this CPU has no native fp16 GEMM in oneDNN"
         return True, f"oneDNN fp16 GEMM with {p.act} post-op"
-    return False, ("fp32 on CPU: oneDNN's fused GEMM is within noise of Inductor's addmm + fused "
-                   "C++ pointwise (CPU_MEASUREMENTS); Inductor keeps it")
+    return False, ("fp32 on CPU: oneDNN's fused GEMM measured within noise of Inductor's addmm + fused "
+                   "C++ pointwise; Inductor keeps it")
 
 
 def select_kernel(p: GemmProblem, caps: HwCaps | None = None) -> KernelChoice:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from . import aot_cache, compat
+from . import aot_cache, blame, compat
 from .guard import graph_edit as E
 from .guard.kernel_state import KernelState, announce_pins, graph_key, node_key, state_command, state_for
 from .guard.runtime import GuardedGraph
@@ -114,7 +114,7 @@ class GraphCompiler:
         pins = self._state_pins()
         if pins:
             reason = f"kernel state in {self.state.path or 'memory'} records faults for these kernels"
-            action = f"compiled with {len(pins)} node(s) pinned to eager"
+            action = f"compiled with {len(pins)} op(s) pinned to eager"
             strict = self.opts.guard == "strict" and self.state.path is not None
             if strict:  # strict would raise at their fault: say which pins hide it and how to lift them
                 keys = sorted({node_key(self.node(n)) or n for n in pins})
@@ -124,7 +124,8 @@ class GraphCompiler:
                            else f"; to check them again, clear the pins: {clear} (or --key KEY for one of them)")
             report().add_fallback(FallbackKind.PINNED_FROM_STATE, node=",".join(pins), phase=self.phase,
                                   graph=self.record, reason=reason, action=action,
-                                  level=logging.WARNING if strict else logging.INFO)
+                                  level=logging.WARNING if strict else logging.INFO,
+                                  sites=blame.sites(self.eager_gm, pins))
             announce_pins(self.state, len(pins))
         return frozenset(pins)
 
@@ -136,7 +137,7 @@ class GraphCompiler:
             report().add_fallback(
                 FallbackKind.KNOWN_MISCOMPILE, node=name, phase=self.phase, graph=self.record, reason=reason,
                 action="pinned to its eager kernel (enn::pinned); the rest of the graph stays compiled",
-                level=logging.INFO)
+                level=logging.INFO, sites=blame.sites(self.eager_gm, [name]))
         return frozenset(name for name, _ in found)
 
     def recorded_pins(self) -> frozenset[str]:
@@ -172,10 +173,12 @@ class GraphCompiler:
         except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
             if self.opts.guard == "strict" or compat.is_dynamo_control_flow(exc):
                 raise
+            blamed = _blame_from_exception(exc, planted)
             report().add_fallback(
-                FallbackKind.COMPILE_ERROR, node=_blame_from_exception(exc, planted), phase="compile", graph=self.record,
+                FallbackKind.COMPILE_ERROR, node=blamed, phase="compile", graph=self.record,
                 reason=f"{type(exc).__name__}: {_first_line(exc)}",
-                action="recompiled this graph without enn's rewrites and lowerings")
+                action="recompiled this graph without enn's rewrites and lowerings",
+                sites=blame.sites(self.eager_gm, blamed.split(",")))
             try:
                 compiled = self._compile(E.pin_nodes(base, pins), enn=False)
                 path = "inductor-without-enn"
@@ -194,7 +197,7 @@ class GraphCompiler:
             self.record.compile_time_s += time.perf_counter() - t0
             self.record.path = path
             self.record.compiled_nodes = 0 if path == "eager" else self.compute_nodes - len(pins)
-            self.record.pinned = sorted(pins)
+            self._record_pins(pins)
         return compiled
 
     def _compile(self, gm: fx.GraphModule, *, enn: bool) -> Any:
@@ -212,10 +215,14 @@ class GraphCompiler:
         """Make a recompiled artifact (with ``pins`` / fp32) the graph's fast path."""
         self.pinned_names = self.pinned_names | pins
         self.fp32 = self.fp32 or fp32
-        self.record.pinned = sorted(self.pinned_names)
+        self._record_pins(self.pinned_names)
         self.record.compiled_nodes = self.compute_nodes - len(self.pinned_names)
         self.record.counters["recompiles"] = self.record.counters.get("recompiles", 0) + 1
         self.record.counters["pinned_in_graph"] = self._pinned_in.get(id(compiled), 0)
+
+    def _record_pins(self, pins: frozenset[str]) -> None:
+        self.record.pinned = sorted(pins)
+        self.record.sites.update((s["node"], s) for s in blame.sites(self.eager_gm, pins))
 
     def write_repro(self, **info: Any) -> None:
         if not self.opts.repro:

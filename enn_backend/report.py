@@ -6,6 +6,12 @@ separate records that share a ``unit`` id (``g0``, ``g1``, ...).
 
 Fallbacks are typed (:class:`FallbackKind`), recorded here and logged once each:
 nothing enn falls back on is silent.
+
+An *op* is a node of a graph that runs a kernel: an ATen (or enn) op call, not a view, an
+in-place op or a tuple item (``guard.graph_edit.candidate_nodes``); ops are what the guard
+pins to eager and what every count the report and the logs show counts. A node the report
+names is shown as its site (``enn_backend.blame``): module path and source line first, the
+FX node name second; the JSON keeps the FX names and carries the sites beside them.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
+
+from .blame import Site, describe, grouped, where
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +63,7 @@ class Fallback:
     action: str
     graph: str = ""
     time: float = field(default_factory=time.time)
+    sites: list[Site] = field(default_factory=list)  # where the ops in `node` are in the model
 
 
 @dataclass
@@ -64,9 +73,9 @@ class GraphRecord:
     id: str
     unit: str
     phase: str  # forward | backward | inference
-    nodes: int = 0
-    compute_nodes: int = 0
-    compiled_nodes: int = 0
+    nodes: int = 0  # FX call nodes of the graph (views and tuple items included)
+    compute_nodes: int = 0  # ops (see the module's docstring)
+    compiled_nodes: int = 0  # ops that run compiled (the rest are pinned to eager)
     compile_time_s: float = 0.0
     path: str = "inductor"  # inductor | inductor-without-enn | eager
     from_cache: bool = False  # loaded from AOTAutograd's cache (enn_backend.aot_cache), not traced
@@ -74,6 +83,7 @@ class GraphRecord:
     kernel_choices: list[dict[str, Any]] = field(default_factory=list)
     promotions: list[dict[str, Any]] = field(default_factory=list)
     pinned: list[str] = field(default_factory=list)
+    sites: dict[str, Site] = field(default_factory=dict)  # node name -> site, for the nodes named here
     events: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
 
@@ -146,16 +156,21 @@ class Report:
         action: str,
         graph: GraphRecord | str | None = None,
         level: int = logging.WARNING,
+        sites: Sequence[Site] = (),
     ) -> Fallback:
+        """Record a fallback. ``node``: the FX names of the ops it concerns, comma-separated
+        (``<graph>``: the whole graph, ``<none>``: no op); ``sites``: where they are in the model."""
         gid = graph.id if isinstance(graph, GraphRecord) else (graph or "")
-        fb = Fallback(kind=kind.value, node=node, phase=phase, reason=reason, action=action, graph=gid)
+        fb = Fallback(kind=kind.value, node=node, phase=phase, reason=reason, action=action, graph=gid,
+                      sites=list(sites))
         with self._lock:
             self.fallbacks.append(fb)
             self.counters[f"fallback.{kind.value}"] += 1
             if isinstance(graph, GraphRecord):
                 self.adopt(graph)
                 graph.events.append(asdict(fb))
-        log.log(level, "enn fallback [%s] graph=%s phase=%s node=%s: %s -> %s", kind.value, gid, phase, node, reason, action)
+                graph.sites.update((s["node"], s) for s in sites)
+        log.log(level, "enn fallback %s", fallback_line(asdict(fb)))
         return fb
 
     def count(self, name: str, n: int = 1) -> None:
@@ -195,32 +210,58 @@ class Report:
     __repr__ = __str__
 
 
+def fallback_line(f: dict[str, Any]) -> str:
+    """One fallback as a line: kind, graph, the ops' sites, what happened -> what enn did."""
+    graph, phase = f.get("graph", ""), f.get("phase", "")
+    head = f"[{f['kind']}] {graph}" + ("" if graph.endswith("/" + phase) else f" ({phase})")
+    at = where(f.get("node", ""), f.get("sites") or [])
+    return f"{head}{' at ' + at if at else ''}: {f['reason']} -> {f['action']}"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in rows]
+
+
+def _sites(g: dict[str, Any], names: list[str]) -> list[Site]:
+    """The sites of nodes a graph record names (a name alone where the record has no site)."""
+    known = g.get("sites") or {}
+    return [known.get(n) or {"node": n} for n in names]
+
+
 def format_report(data: dict[str, Any]) -> str:
-    """A readable table of a report dict (also used by `python -m enn_backend report FILE`)."""
-    lines = ["enn report"]
-    header = f"{'graph':<20} {'path':<22} {'nodes':>5} {'compiled':>8} {'pinned':>6} {'compile_s':>9}  fusions"
-    lines.append(header)
-    lines.append("-" * len(header))
-    for g in data.get("graphs", []):
-        fus = ", ".join(f"{k}={v}" for k, v in sorted(g.get("fusions", {}).items())) or "-"
-        path = g.get("path", "") + (" (cached)" if g.get("from_cache") else "")
-        lines.append(
-            f"{g['id']:<20} {path:<22} {g.get('nodes', 0):>5} {g.get('compiled_nodes', 0):>8}"
-            f" {len(g.get('pinned', [])):>6} {g.get('compile_time_s', 0.0):>9.2f}  {fus}"
-        )
-        for c in g.get("kernel_choices", []):
-            lines.append(f"    kernel  {c.get('node', '?')}: {c.get('choice', '?')} ({c.get('reason', '')})")
-        for p in g.get("promotions", []):
-            lines.append(f"    fp32    {p.get('node', '?')}: {p.get('reason', '')}")
-        if g.get("pinned"):
-            lines.append(f"    pinned  {', '.join(g['pinned'])}")
-    fallbacks = data.get("fallbacks", [])
-    lines.append(f"fusions: {data.get('fusions') or {}}")
-    lines.append(f"fallbacks: {len(fallbacks)}")
-    for f in fallbacks:
-        lines.append(
-            f"  [{f['kind']}] {f.get('graph', '')} {f['phase']} node={f['node']}: {f['reason']} -> {f['action']}"
-        )
+    """The report as text: a table of the compiled graphs, then what enn decided in each
+    (also used by `python -m enn_backend report FILE`)."""
+    graphs, fallbacks = data.get("graphs", []), data.get("fallbacks", [])
+    lines = [f"enn report: {len(graphs)} graph(s) compiled, {len(fallbacks)} fallback(s)"]
+    rows = [["graph", "path", "ops", "compiled", "pinned", "compile s", "fusions"]]
+    for g in graphs:
+        rows.append([g["id"], g.get("path", "") + (" (cached)" if g.get("from_cache") else ""),
+                     str(g.get("compute_nodes", 0)), str(g.get("compiled_nodes", 0)), str(len(g.get("pinned", []))),
+                     f"{g.get('compile_time_s', 0.0):.2f}",
+                     ", ".join(f"{k} {v}" for k, v in sorted(g.get("fusions", {}).items())) or "-"])
+    if graphs:
+        table = _table(rows, right={2, 3, 4, 5})
+        lines += [table[0], "-" * max(len(t) for t in table), *table[1:]]
+    fusions = data.get("fusions") or {}
+    lines.append("fusions: " + (", ".join(f"{k} {v}" for k, v in sorted(fusions.items())) or "none"))
+    sections = (
+        ("pinned to eager (these ops run eagerly inside the compiled graph)",
+         [(g, describe(s)) for g in graphs for s in grouped(_sites(g, g.get("pinned", [])))]),
+        ("kernel choices", [(g, f"{describe([c.get('site') or {'node': c.get('node', '?')}])}: "
+                                f"{c.get('choice', '?')} ({c.get('reason', '')})")
+                            for g in graphs for c in g.get("kernel_choices", [])]),
+        ("kept in fp32", [(g, f"{describe([p.get('site') or {'node': p.get('node', '?')}])}: {p.get('reason', '')}")
+                          for g in graphs for p in g.get("promotions", [])]),
+    )
+    for title, items in sections:
+        if items:
+            width = max(len(g["id"]) for g, _ in items)
+            lines.append(f"{title}:")
+            lines += [f"  {g['id']:<{width}}  {text}" for g, text in items]
+    lines.append(f"fallbacks: {len(fallbacks) or 'none'}")
+    lines += [f"  {fallback_line(f)}" for f in fallbacks]
     return "\n".join(lines)
 
 

@@ -72,7 +72,7 @@ def minify_main(argv: list[str]) -> int:
     except MinifyError as exc:
         print(f"enn minify: {exc}", file=sys.stderr)
         return 2
-    print(f"enn minify: {res.kind} reproduces with {res.nodes_after} of {res.nodes_before} nodes "
+    print(f"enn minify: {res.kind} reproduces with {res.ops_after} of {res.ops_before} ops "
           f"({res.checks} check{'s' if res.checks != 1 else ''}, {res.seconds:.1f}s)")
     print(f"wrote {_shown(res.path)}")
     return 0

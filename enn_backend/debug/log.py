@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .. import compat
+from ..blame import describe_all
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +31,17 @@ ARTIFACT_NAME = "enn_graph_report"
 
 
 def graph_line(rec: Any) -> str:
-    """One line that says what enn did to a compiled graph (a report GraphRecord)."""
+    """One line that says what enn did to a compiled graph (a report GraphRecord); its ops are
+    counted as the report counts them, and its pinned ops named by their sites."""
     fus = ",".join(f"{k}={v}" for k, v in sorted(rec.fusions.items())) or "none"
     kernels = ",".join(f"{c.get('node', '?')}:{c.get('choice', '?')}" for c in rec.kernel_choices) or "none"
     falls = [e for e in rec.events if "kind" in e]
-    fallbacks = ",".join(f"{e['kind']}@{e.get('node', '?')}" for e in falls) or "none"
-    pinned = ",".join(rec.pinned) or "none"
-    promos = len(rec.promotions)
+    fallbacks = ",".join(e["kind"] for e in falls) or "none"
+    pinned = [rec.sites.get(n) or {"node": n} for n in rec.pinned]
     return (
-        f"enn graph {rec.id}: path={rec.path}{' (from AOTAutograd cache)' if rec.from_cache else ''} nodes={rec.compute_nodes} compiled={rec.compiled_nodes} "
-        f"fusions={fus} kernels={kernels} fp32={promos} fallbacks={fallbacks} pinned={pinned} "
-        f"compile={rec.compile_time_s:.2f}s"
+        f"enn graph {rec.id}: path={rec.path}{' (from AOTAutograd cache)' if rec.from_cache else ''} ops={rec.compute_nodes} compiled={rec.compiled_nodes} "
+        f"fusions={fus} kernels={kernels} fp32={len(rec.promotions)} fallbacks={fallbacks} pinned={len(pinned)} "
+        f"compile={rec.compile_time_s:.2f}s" + (f"; pinned: {describe_all(pinned)}" if pinned else "")
     )
 
 

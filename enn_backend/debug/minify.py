@@ -33,9 +33,10 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from .. import compat
+from .. import blame, compat
+from ..guard import graph_edit as E
 from . import replay
-from .repro import write_repro_dir
+from .repro import blame_lines, write_repro_dir
 
 
 class MinifyError(RuntimeError):
@@ -45,8 +46,8 @@ class MinifyError(RuntimeError):
 @dataclass
 class Minified:
     path: str  # the minimized repro script
-    nodes_before: int
-    nodes_after: int
+    ops_before: int  # ops, as enn_backend.report counts them
+    ops_after: int
     kind: str
     checks: int
     seconds: float
@@ -77,8 +78,8 @@ def load_script(path: str) -> Any:
 
 
 def compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """The graph's op nodes (ATen/enn ops), without getitem and size queries."""
-    return [n for n in _op_nodes(gm) if not n.target._schema.name.startswith("aten::sym_")]
+    """The graph's ops: what the report counts and the guard can pin (no views, no tuple items)."""
+    return E.candidate_nodes(gm)
 
 
 def _op_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -141,7 +142,7 @@ def minify(repro: str, *, any_failure: bool = False, max_granularity: int | None
     def establish() -> str:
         established.append(True)
         first = verdict(module, inputs, gm)
-        print(f"enn minify: {len(compute_nodes(gm))} compute nodes; original check: {first.kind}: {first.message}",
+        print(f"enn minify: {len(compute_nodes(gm))} ops; original check: {first.kind}: {first.message}",
               file=sys.stderr)
         if first.undecided:
             raise MinifyError(f"eager fails on the repro's inputs ({first.message}); nothing to minify")
@@ -153,7 +154,7 @@ def minify(repro: str, *, any_failure: bool = False, max_granularity: int | None
         try:
             v = verdict(g, inps)
         except Exception as exc:  # noqa: BLE001 - a graph we cannot even trace does not count
-            print(f"enn minify: candidate not checkable: {type(exc).__name__}: {exc}", file=sys.stderr)
+            print(f"enn minify: a smaller graph could not be checked: {type(exc).__name__}: {exc}", file=sys.stderr)
             return False
         ok = v.failed and (any_failure or v.kind == kind)
         if ok:
@@ -167,15 +168,18 @@ def minify(repro: str, *, any_failure: bool = False, max_granularity: int | None
     # Step 1: the nodes the guard blamed, each alone. A blamed node failing alone the
     # recorded way is the answer; the whole graph need not even be compiled.
     positions = expect.get("node_index") or []
+    sites = list(expect.get("sites") or [])  # in the order of node_index
     ops = _op_nodes(gm)
     blamed = [ops[i] for i in positions if i < len(ops)]
+    site_of = {ops[i]: s for i, s in zip(positions, sites) if i < len(ops)}
     blamed += [n for n in gm.graph.nodes if n.name in set(expect.get("nodes", [])) and n not in blamed]
     if blamed:
         values = _concrete_values(gm, inputs)
         for n in blamed:
             cand, cand_inputs = isolate(gm, n, values)
             if fails(cand, cand_inputs):
-                print(f"enn minify: the blamed node {n.name} ({n.target}) fails alone", file=sys.stderr)
+                at = f" at {blame.describe([site_of[n]])}" if n in site_of else ""
+                print(f"enn minify: the blamed op {n.target}{at} fails alone", file=sys.stderr)
                 best, final = (cand, cand_inputs), last[id(cand)]
                 break
     # Step 2: torch's delta-debugging minifier, from a graph known to fail.
@@ -201,9 +205,11 @@ def minify(repro: str, *, any_failure: bool = False, max_granularity: int | None
     if os.path.isdir(out):
         shutil.rmtree(out)
     new_expect = {"kind": final.kind, "nodes": names, "what": final.message,
-                  "minimized_from": os.path.relpath(script.__file__, out)}
-    title = (f"enn minimized repro: {final.kind} with {len(names)} compute node(s) "
+                  "minimized_from": os.path.relpath(script.__file__, out), "original_sites": sites}
+    title = (f"enn minimized repro: {final.kind} with {len(names)} op(s) "
              f"({', '.join(str(n.target) for n in compute_nodes(min_gm))}), from {len(compute_nodes(gm))}")
+    if sites:
+        title += "\n\n" + blame_lines(sites, "The guard blamed, in the model (the original repro's graph):")
     path = write_repro_dir(out, min_gm, min_inputs, phase=phase, options=options, expect=new_expect, title=title,
                            info={"original": os.path.abspath(script.__file__)})
     return Minified(path, len(compute_nodes(gm)), len(names), final.kind, checks, time.perf_counter() - t0)
@@ -223,7 +229,7 @@ def write_corpus(repro: str, out_path: str, doc: str = "", blame: list[str] | No
     script = load_script(repro)
     module, inputs = script.make_module(), list(script.make_inputs())
     gm = replay.trace(module, inputs)
-    expect = {k: v for k, v in dict(getattr(script, "EXPECT", {}) or {}).items() if k in ("kind", "nodes", "what")}
+    expect = {k: v for k, v in dict(getattr(script, "EXPECT", {}) or {}).items() if k in ("kind", "nodes", "what", "original_sites")}
     if blame is not None:
         expect["nodes"] = list(blame)
     title = (script.__doc__ or "enn repro").strip().splitlines()[0]

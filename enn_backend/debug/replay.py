@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from .. import compat
+from .. import blame, compat
 from ..guard.graph_edit import retarget_dtypes
 
 EXIT_OK, EXIT_SCRIPT_ERROR, EXIT_FAULT, EXIT_UNDECIDED = 0, 1, 3, 4
@@ -358,8 +358,8 @@ def _run_repro(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str,
     shown = {k: v for k, v in options.items()}
     print(f"enn repro: {phase} graph, options {shown or '{}'}")
     if expect:
-        print(f"  recorded fault: {expect.get('kind', '?')} at node(s) {', '.join(expect.get('nodes', [])) or '?'}"
-              + (f" ({expect['what']})" if expect.get("what") else ""))
+        at = blame.where(",".join(expect.get("nodes", [])) or "?", expect.get("sites") or [])
+        print(f"  recorded fault: {expect.get('kind', '?')} at {at}" + (f" ({expect['what']})" if expect.get("what") else ""))
     t0 = time.perf_counter()
     verdict = check(module, inputs, phase=phase, options=options)
     print(f"  checked in {time.perf_counter() - t0:.1f}s: {verdict.kind}: {verdict.message}")

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
+from .. import blame
 from ..report import atomic_write_text
 from .replay import EXIT_CODES_DOC, clone_input, input_meta
 
@@ -178,6 +179,7 @@ def script_source(gm: fx.GraphModule, inputs: Sequence[Any], *, phase: str, opti
     enn's guard handles the fault (``corpus_doc`` says what the fault is and where it came from).
     """
     classes, constants = graph_source(gm)
+    title = title.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')  # it goes into the docstring
     metas = [input_meta(x) for x in inputs]
     const_meta = {k: input_meta(v) for k, v in constants.items()}
     if inline and constants:
@@ -288,6 +290,16 @@ def saved_options(opts: Any) -> dict[str, Any]:
             if f.name not in skip and getattr(opts, f.name) != f.default}
 
 
+def blame_lines(sites: Sequence[dict[str, Any]], header: str = "Blamed op(s), where they are in the model:") -> str:
+    """The blamed ops for a repro's docstring: one line per site, with its source line."""
+    lines = [header]
+    for s in sites:
+        lines.append(f"    {blame.describe([s])}: {s['op']}")
+        if s.get("code"):
+            lines.append(f"        {s['code']}")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- the guard's hook
 def write_repro(compiler: Any, *, kind: str, what: str, inputs: Sequence[Any] | None, snapshot: Sequence[Any] | None,
                 nodes: str) -> str:
@@ -314,8 +326,12 @@ def write_repro(compiler: Any, *, kind: str, what: str, inputs: Sequence[Any] | 
     folder = unique_folder(compiler.opts.repro_dir, f"{rec.id.replace('/', '-')}-{kind}-{node_list[0] if node_list else 'graph'}")
     ops = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
     index = [i for i, n in enumerate(ops) if n.name in node_list]
-    expect = {"kind": kind, "nodes": node_list, "node_index": index, "what": what.strip().splitlines()[0][:300] if what else "", "graph": rec.id}
-    title = f"enn repro: {kind} in graph {rec.id} ({compiler.phase}), blamed node(s): {', '.join(node_list) or '<graph>'}"
+    blamed = [blame.site(ops[i]) for i in index]  # in the order of node_index (the minifier pairs them)
+    expect = {"kind": kind, "nodes": node_list, "node_index": index, "sites": blamed,
+              "what": what.strip().splitlines()[0][:300] if what else "", "graph": rec.id}
+    title = f"enn repro: {kind} in graph {rec.id} ({compiler.phase}), blamed: {blame.where('<graph>', blamed)}"
+    if blamed:
+        title += "\n\n" + blame_lines(blamed)
     return write_repro_dir(folder, gm, real, phase=compiler.phase, options=saved_options(compiler.opts),
                            expect=expect, title=title)
 

@@ -12,7 +12,7 @@ A faulty run proves the fault survives a pin set; one fault-free run does not pr
 opposite, since a flaky kernel passes some runs. So a pin set counts as fault-free only
 after ``runs`` fault-free runs of its artifact (re-runs cost no recompile), and the
 final pin set must pass ``runs`` more; if it does not, the first pin set found fault-free
-(the prime suspects, or every suspect) is pinned instead.
+(the suspects tried first, or every suspect) is pinned instead.
 """
 
 from __future__ import annotations
@@ -46,15 +46,17 @@ def localize(
     groups: Sequence[Sequence[str]],
     still_faulty: Callable[[frozenset[str]], bool],
     budget: int,
-    prime: frozenset[str] = frozenset(),
+    first: frozenset[str] = frozenset(),
+    why: str = "",
     runs: int = CONFIRM_RUNS,
 ) -> Localization | None:
     """Minimal pin set over ``groups`` (ordered, most suspect first), or None if
     pinning everything does not remove the fault (not a node-level fault).
 
-    ``prime`` are the prime suspects (named by the failing kernel's traceback, or the
-    nodes only bad outputs depend on): if pinning them removes the fault, the search
-    stays inside them. ``runs``: fault-free runs that make a pin set fault-free.
+    ``first`` are the suspects tried first (the ops the failing kernel's traceback names, or
+    the ops only bad outputs depend on; ``why`` says which, for the notes): if pinning them
+    removes the fault, the search stays inside them. ``runs``: fault-free runs that make a
+    pin set fault-free.
     """
     trials = reruns = 0
     verdicts: dict[frozenset[str], bool] = {}  # each pin set is tried once
@@ -83,13 +85,13 @@ def localize(
 
     if not everything:
         return None
-    prime = prime & everything
+    first = first & everything
     notes: list[str] = []
     start = everything  # the first pin set found fault-free: the fallback if the final one fails
-    if prime and prime != everything and not faulty(prime, free=True):
-        groups = [[n for n in g if n in prime] for g in groups]
-        start = prime
-        notes.append(f"prime suspects ({len(prime)} nodes) confirmed")
+    if first and first != everything and not faulty(first, free=True):
+        groups = [[n for n in g if n in first] for g in groups]
+        start = first
+        notes.append(f"searched only the {len(first)} op(s) {why or 'tried first'}: pinning them removed the fault")
     elif faulty(everything, free=True):  # always tried, even with budget 0
         return None
 
@@ -119,18 +121,18 @@ def localize(
         result.exhausted = True
         result.pinned = sorted(best)
         result.notes.append(
-            f"localization budget of {budget} recompiles exhausted; pinned the smallest fault-free set found ({len(best)} nodes)"
+            f"localization budget of {budget} recompiles exhausted; pinned the smallest set found that removes the fault ({len(best)} ops)"
         )
     final = frozenset(result.pinned)
     if faulty(final, free=True) or not passes_reruns(final, runs):
         if final == start:
             return None
-        result.notes.append(f"the pin set found ({len(result.pinned)} nodes) faulted again on a confirming re-run; "
-                            f"pinned the first fault-free set instead ({len(start)} nodes)")
+        result.notes.append(f"the ops found ({len(result.pinned)}) faulted again on a confirming re-run; "
+                            f"pinned the first set found to remove the fault instead ({len(start)} ops)")
         result.pinned = sorted(start)
     result.trials, result.reruns = trials, reruns
-    result.notes.append(f"{reruns} confirming re-run(s): a pin set counts as fault-free after {runs} clean runs, "
-                        f"the final one after {runs} more")
+    result.notes.append(f"{reruns} confirming re-run(s): pinning a set of ops counts as removing the fault after "
+                        f"{runs} clean runs, the final set after {runs} more")
     return result
 
 

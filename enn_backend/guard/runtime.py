@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import compat
+from .. import blame, compat
 from ..report import FallbackKind, GraphRecord, report
 from . import graph_edit as E
 from .kernel_state import graph_key, node_key
@@ -437,7 +437,7 @@ class GuardedGraph:
         if known and not reproduces(known):
             # kernel state learned these kernels' fault since this graph was compiled
             loc, nodes, new = Localization(pinned=sorted(known), trials=1), ",".join(sorted(known)), trial_cache[known]
-            action = (f"pinned {len(known)} node(s) whose kernels kernel state records as faulty, after 1 trial "
+            action = (f"pinned {len(known)} op(s) whose kernels kernel state records as faulty, after 1 trial "
                       f"recompile in {time.perf_counter() - t0:.1f}s")
             localized = False  # the graph that localized them wrote the repro
         elif not reproduces(frozenset()):
@@ -446,42 +446,45 @@ class GuardedGraph:
             loc, nodes, localized = None, "<graph>", False
             new = trial_cache[frozenset()]
             action = (f"recompiled the graph with no new pins in {time.perf_counter() - t0:.1f}s: the fault did not "
-                      "reproduce on a fresh compile of the same graph, so no node is blamed")
+                      "reproduce on a fresh compile of the same graph, so no op is blamed")
         else:
-            groups, prime = self._suspects(kind, bad, exc)
-            loc, localized = localize(groups, still_faulty, self.opts.localize_budget, prime), True
+            groups, first, why = self._suspects(kind, bad, exc)
+            loc, localized = localize(groups, still_faulty, self.opts.localize_budget, first, why), True
             elapsed = time.perf_counter() - t0
             if loc is None and kind == "value":
                 # no pin set brings the values to eager's: the difference is not a node's, so it
                 # is not a kernel fault this check can prove; the compiled graph stays
                 nodes, new = "<graph>", self.compiled
-                action = ("kept the compiled graph: pinning every node did not bring its values to eager's, so no "
+                action = ("kept the compiled graph: pinning every op did not bring its values to eager's, so no "
                           "kernel is at fault on this evidence; value checks of this graph are off from now on")
                 self.value_every, self.values_always = 0, False
             elif loc is None:
-                nodes, action = "<graph>", "graph runs eagerly from now on (pinning every node did not remove the fault)"
+                nodes, action = "<graph>", "graph runs eagerly from now on (pinning every op did not remove the fault)"
                 new = self.compiler.eager_callable()
                 rec.path = "eager"
             else:
                 nodes = ",".join(loc.pinned)
                 pins = frozenset(loc.pinned)
                 new = trial_cache.get(pins) or self.compiler.build(extra_pins=pins)
-                action = (f"pinned {len(loc.pinned)} node(s) to eager after {loc.trials + 1} trial recompile(s) "
-                          f"in {elapsed:.1f}s; {self.compiler.compute_nodes - len(self.compiler.pinned_now(pins))} "
-                          "nodes stay compiled")
+                total = self.compiler.compute_nodes
+                action = (f"pinned {len(loc.pinned)} op(s) to eager after {loc.trials + 1} trial recompile(s) "
+                          f"in {elapsed:.1f}s; {total - len(self.compiler.pinned_now(pins))} of {total} ops stay "
+                          "compiled")
                 if loc.notes:
                     action += "; " + "; ".join(loc.notes)
                 for name in loc.pinned:
                     key = node_key(self.compiler.node(name))
                     if key:
                         self.compiler.state.record(key, "pinned", exc, reason=what)
+        sites = blame.sites(self.compiler.eager_gm, loc.pinned) if loc else []
         if self.mode == "strict":
             raise EnnGuardError(
-                f"enn (guard=strict): {kind} in compiled graph {rec.id} (phase {phase}) at node(s) {nodes}: {what}. "
+                f"enn (guard=strict): {kind} in compiled graph {rec.id} (phase {phase}) at "
+                f"{blame.where(nodes, sites)}: {what}. "
                 f"Eager's result is right where the compiled one is not, so the compiled kernel is at fault. "
                 f"Set guard='nonfinite' to fall back automatically."
             ) from exc
-        R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action)
+        R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action, sites=sites)
         self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
         self._adopt(new)
         self._settle(call)
@@ -490,28 +493,31 @@ class GuardedGraph:
             self.compiler.write_repro(kind=kind, what=what, inputs=call.inputs, snapshot=mutated, nodes=nodes)
         return ref
 
-    def _suspects(self, kind: str, bad: list | None, exc: BaseException | None) -> tuple[list[list[str]], frozenset[str]]:
-        """Suspects grouped by op (enn's own ops first) and the prime suspects.
+    def _suspects(self, kind: str, bad: list | None,
+                  exc: BaseException | None) -> tuple[list[list[str]], frozenset[str], str]:
+        """Suspects grouped by op (enn's own ops first), the ones to try first, and why those.
 
-        Prime suspects: for an exception, the nodes behind the kernel that raised (from
-        the traceback); for NaN/Inf, the nodes that only the bad outputs depend on.
+        Tried first: for an exception, the ops of the kernel that raised (from the traceback);
+        for NaN/Inf, the ops that only the bad outputs depend on.
         """
         gm = self.compiler.eager_gm
         cands = [n for n in E.candidate_nodes(gm) if n.name not in self.compiler.pinned_names]
-        prime: frozenset[str] = frozenset()
+        first: frozenset[str] = frozenset()
+        why = ""
         if exc is not None:
-            prime = suspects_from_traceback(exc, gm)
+            first, why = suspects_from_traceback(exc, gm), "that the raising kernel computes"
         elif bad and bad != [-1]:
             outs = E.output_nodes(gm)
             bad_cone = E.ancestors(gm, [outs[i] for i in bad if i < len(outs)])
             good_cone = E.ancestors(gm, [o for i, o in enumerate(outs) if i not in bad])
             cands = [n for n in cands if n.name in bad_cone] or cands
-            prime = frozenset(n.name for n in cands if n.name not in good_cone)
+            first = frozenset(n.name for n in cands if n.name not in good_cone)
+            why = "that feed the bad outputs alone"
         groups: dict[str, list[str]] = {}
         for n in cands:
             groups.setdefault(E.node_op_name(n), []).append(n.name)
         ordered = sorted(groups.items(), key=lambda kv: not kv[0].startswith("enn."))
-        return [g for _, g in ordered], prime
+        return [g for _, g in ordered], first, why
 
     def _reference_nonfinite(self, what: str, call: "_Call", out: Any, ref: list, bad: list,
                              values: list[int]) -> Any:

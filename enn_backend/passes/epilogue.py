@@ -239,14 +239,14 @@ class EpiloguePass(EnnPass):
             ok, reason, choice = self.decide(m)
             if not ok:
                 log.debug("enn epilogue: declined %s -> %s at %s: %s", n.name, m.act, m.out.name, reason)
-                ctx.kernel_choice(m.out.name, "inductor", f"epilogue declined: {reason}", act=m.act)
+                ctx.kernel_choice(m.out, "inductor", f"epilogue declined: {reason}", act=m.act)
                 if choice is not None and choice.actionable:
                     skipped.setdefault(reason, []).append(m.out.name)
                 continue
             new = rewrite(graph, m)
             matches += 1
             ctx.fusion("epilogue")
-            ctx.kernel_choice(new.name, choice.kernel, choice.reason, act=m.act,
+            ctx.kernel_choice(new, choice.kernel, choice.reason, act=m.act,
                               dtype=str(val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name)
             log.debug("enn epilogue: %s + %s (%s) -> %s [%s]", n.name, m.act, m.out.name, new.name, choice.kernel)
         for reason, nodes in skipped.items():
@@ -262,8 +262,8 @@ class EpiloguePass(EnnPass):
     def decide(m: Match) -> tuple[bool, str, G.KernelChoice | None]:
         """(rewrite?, reason, kernel choice) for a match; pure apart from reading metadata."""
         if m.outside:
-            names = ", ".join(u.name for u in m.outside[:3])
-            return False, (f"the pre-activation is also read by {len(m.outside)} other node(s) ({names}), "
+            names = ", ".join(u.name for u in m.outside[:3]) + (f" and {len(m.outside) - 3} more" if len(m.outside) > 3 else "")
+            return False, (f"the pre-activation is also read by {len(m.outside)} other op(s) ({names}), "
                            "e.g. the activation's backward; the fused kernel does not return it"), None
         gv, bv = val(m.src.gemm), val(m.src.bias)
         problem = G.GemmProblem(device_type=gv.device.type, dtype=gv.dtype, act=m.act,

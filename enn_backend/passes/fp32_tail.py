@@ -165,7 +165,7 @@ class Fp32TailPass(EnnPass):
         if mode is None:
             return 0
         self._rewrite(graph, tail, start, logits, mode)
-        ctx.promotion(proj.name, f"fp32 output tail ({len(tail)} nodes: final norm + projection); logits returned in fp32",
+        ctx.promotion(proj, "fp32 output tail (final norm + projection); logits returned in fp32",
                       rule="fp32_tail")
         return 1
 

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Iterator, Sequence
 import torch
 import torch.fx as fx
 
-from .. import compat
+from .. import blame, compat
 from ..options import Options
 from ..report import report
 from .sources import sources_hash
@@ -107,11 +107,13 @@ class PassContext:
     def fusion(self, kind: str, count: int = 1) -> None:
         report().add_unit_fusion(self.unit, kind, count)
 
-    def kernel_choice(self, node: str, choice: str, reason: str, **extra: Any) -> None:
-        report().add_unit_kernel_choice(self.unit, {"node": node, "choice": choice, "reason": reason, **_plain(extra)})
+    def kernel_choice(self, node: fx.Node, choice: str, reason: str, **extra: Any) -> None:
+        report().add_unit_kernel_choice(self.unit, {"node": node.name, "choice": choice, "reason": reason,
+                                                    "site": blame.site(node), **_plain(extra)})
 
-    def promotion(self, node: str, reason: str, **extra: Any) -> None:
-        report().add_unit_promotion(self.unit, {"node": node, "reason": reason, **_plain(extra)})
+    def promotion(self, node: fx.Node, reason: str, **extra: Any) -> None:
+        report().add_unit_promotion(self.unit, {"node": node.name, "reason": reason, "site": blame.site(node),
+                                                **_plain(extra)})
 
 
 def _plain(extra: dict[str, Any]) -> dict[str, Any]:

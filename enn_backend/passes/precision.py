@@ -243,7 +243,7 @@ class PrecisionPass(EnnPass):
             reason = decide(n)
             if reason is not None:
                 promote_reduction(graph, n, mode)
-                ctx.promotion(n.name, reason, op=str(n.target), rule="reduction")
+                ctx.promotion(n, reason, op=str(n.target), rule="reduction")
                 log.debug("enn precision: %s promoted to fp32 (%s)", n.name, reason)
                 count += 1
             elif n.target is CONVERT and n.args[1] in LOW_PRECISION and tensor_dtype(n.args[0]) == torch.float32:
@@ -265,7 +265,7 @@ class PrecisionPass(EnnPass):
         island.widen(n, src, n.args[1])
         if not island.changed:
             return 0
-        ctx.promotion(n.name, f"fp32 result of reduction {red.name} kept for {len(users)} pointwise consumer(s) "
+        ctx.promotion(n, f"fp32 result of reduction {red.name} kept for {len(users)} pointwise consumer(s) "
                               f"instead of its {str(n.args[1]).removeprefix('torch.')} rounding",
                       op=str(red.target), rule="fp32_result")
         return 1

@@ -67,7 +67,7 @@ class AttentionPass(EnnPass):
             report().add_fallback(FallbackKind.KERNEL_CHOICE, node=out.name, phase="compile", graph=ctx.unit,
                                   reason=choice.forced_failed, action=f"using {choice.backend} ({choice.reason})")
         if choice.backend is Backend.INDUCTOR:
-            ctx.kernel_choice(out.name, choice.backend.value, choice.reason, fused=False)
+            ctx.kernel_choice(out, choice.backend.value, choice.reason, fused=False)
             return 0
         if plan.refusal:
             raise Skip(plan.refusal)
@@ -79,7 +79,7 @@ class AttentionPass(EnnPass):
             reason += (f"; mask buffer (input {index}) checked {'causal' if st.causal else 'structural'} at compile "
                        "time, its content guarded per call")
         p = plan.problem
-        ctx.kernel_choice(out.name, choice.backend.value, reason, causal=st.causal, window=st.window,
+        ctx.kernel_choice(out, choice.backend.value, reason, causal=st.causal, window=st.window,
                           gqa=p.heads_q != p.heads_kv, mask=p.has_mask, bias=p.has_bias, alibi=p.alibi,
                           training=bool(plan.regions.grads))
         ctx.fusion("attention")
