@@ -19,9 +19,9 @@ from enn_backend import compat
 
 @pytest.fixture(autouse=True)
 def _compile_afresh():
-    """Joint-graph passes (where the attention patterns apply) do not run on an AOTAutograd
-    cache hit: each compile here must run them."""
-    with compat.no_aot_autograd_cache():
+    """Joint-graph passes (where the attention patterns apply) do not run on a cache hit: each
+    compile here must run them, whatever an earlier test of the session compiled."""
+    with compat.no_aot_autograd_cache(), compat.inductor_config.patch(fx_graph_cache=False):
         yield
 
 
