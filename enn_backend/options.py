@@ -32,6 +32,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from .fault_spec import FaultSpecError, parse_fault_specs
+
 GUARD_MODES = ("off", "exceptions", "nonfinite", "values", "strict")
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "flex", "explicit")
 MASKED_ROW_MODES = ("eager", "zero")
@@ -250,9 +252,10 @@ class Options:
                         f"enn: attention_order entry {name!r} is not one of {', '.join(ATTENTION_BACKENDS[1:])}"
                     )
         if self.fault_inject:
-            from .guard.faults import parse_fault_spec
-
-            parse_fault_spec(self.fault_inject)  # raises OptionsError on a bad spec
+            try:
+                parse_fault_specs(self.fault_inject)
+            except FaultSpecError as exc:
+                raise OptionsError(str(exc)) from None
 
     # ------------------------------------------------------------------ hashing
     def codegen_hash(self) -> str:

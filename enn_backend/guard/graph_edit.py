@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .. import compat
-from .faults import FaultSpec, target_names
+from ..fault_spec import FaultSpec, target_names
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # not kernels: a tuple's item, and the copy of a constant the graph holds (pinning it would hand
