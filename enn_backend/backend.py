@@ -24,10 +24,12 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from . import compat
-from .aot_cache import WarmStart, content_digest
+from .aot_cache import WarmStart, content_digest, offer
+from .debug.log import log_compiled_graph
 from .decompositions import decomposition_table
-from .graph_compiler import make_inner_compile
+from .graph_compiler import GraphCompiler
 from .guard.faults import parse_fault_spec
+from .guard.runtime import GuardedGraph
 from .options import Options
 from .passes import PassFailed, PassManager, module_state
 from .report import FallbackKind, report
@@ -102,6 +104,21 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     if assumed:
         return BufferContentGuard(compiled, _fresh(pristine), assumed, unit)
     return compiled
+
+
+def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_specs: tuple) -> Callable[..., Any]:
+    """The ``inner_compile`` enn gives compile_fx: compile, then wrap in the guard."""
+
+    def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        compiler = GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit,
+                                 config_patches=config_patches, fault_specs=fault_specs)
+        compiled = compiler.build()
+        log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
+        returned = compiled if opts.guard == "off" else GuardedGraph(compiler, compiled, compiler.record)
+        offer(compiler, compiled, returned)
+        return returned
+
+    return inner_compile
 
 
 class BufferContentGuard:
