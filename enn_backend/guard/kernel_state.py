@@ -75,6 +75,8 @@ except ImportError:  # Windows
 import torch
 import torch.fx as fx
 
+from .. import __version__
+from ..options import Options
 from ..report import atomic_write_text
 from .graph_edit import _tensors_in, _val, node_op_name
 
@@ -123,9 +125,7 @@ _FIELD_NAMES = tuple(f.name for f in fields(KernelEntry))
 
 def current_versions() -> tuple[str, str]:
     """(torch, enn) versions of this process: an entry applies only under those that wrote it."""
-    import enn_backend
-
-    return torch.__version__, enn_backend.__version__
+    return torch.__version__, __version__
 
 
 def _machine() -> str:
@@ -452,8 +452,6 @@ def state_for(opts: Any) -> KernelState:
 def state_command(state: KernelState, sub: str) -> str:
     """The command that runs ``python -m enn_backend state <sub>`` on ``state``'s file (the
     state of an injected fault, in a file of its own, is cleared by deleting that file)."""
-    from ..options import Options
-
     folder, name = os.path.split(state.path or "")
     if name != FILE_NAME:
         return f"rm {shlex.quote(state.path or '')}"
