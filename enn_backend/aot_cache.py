@@ -257,7 +257,7 @@ class WarmStart:
         for f in _RECORD_FIELDS:
             setattr(rec, f, copy.deepcopy(meta["record"][f]))
         rec.from_cache = True
-        if self.opts.guard == "off":
+        if not self.opts.guard.guarded:
             return compiled
         return GuardedGraph(CachedGraph(self, meta, rec), compiled, rec)
 

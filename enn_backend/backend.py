@@ -58,7 +58,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
             log.debug("enn compiled %s in %.2fs", unit, time.perf_counter() - t0)
             return compiled
         except PassFailed as exc:
-            if opts.guard == "strict" or compat.is_dynamo_control_flow(exc.cause):
+            if opts.guard.raises or compat.is_dynamo_control_flow(exc.cause):
                 if compat.is_dynamo_control_flow(exc.cause):
                     raise exc.cause from None
                 raise
@@ -66,7 +66,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
                                   reason=str(exc), action=f"recompiling {unit} without enn pass {exc.pass_name!r}")
             opts = opts.replace(**{exc.option: False})
         except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
-            if opts.guard == "strict" or compat.is_dynamo_control_flow(exc):
+            if opts.guard.raises or compat.is_dynamo_control_flow(exc):
                 raise
             report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=unit,
                                   reason=f"{type(exc).__name__}: {str(exc).strip()[:300]}",
@@ -95,7 +95,7 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     # an AOTAutograd cache hit skips `inner`: WarmStart guards and reports the loaded graphs
     warm = WarmStart(pristine, example_inputs, opts, unit, patches, decompositions)
     # the guard re-runs a faulty graph on its inputs: a guarded backward must not write into them
-    kept = compat.saved_tensors_kept() if opts.guard != "off" else contextlib.nullcontext()
+    kept = compat.saved_tensors_kept() if opts.guard.guarded else contextlib.nullcontext()
     with compat.aot_cache_hits(warm.on_load), module_state(example_inputs) as state, kept, \
             compat.inductor_attention_rewrites_off():  # enn owns attention: see compat
         compiled = compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
@@ -114,7 +114,7 @@ def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_spe
                                  config_patches=config_patches, fault_specs=fault_specs)
         compiled = compiler.build()
         log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
-        returned = compiled if opts.guard == "off" else GuardedGraph(compiler, compiled, compiler.record)
+        returned = GuardedGraph(compiler, compiled, compiler.record) if opts.guard.guarded else compiled
         offer(compiler, compiled, returned)
         return returned
 

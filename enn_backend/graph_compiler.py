@@ -148,7 +148,7 @@ class GraphCompiler:
             compiled = self._compile(gm, enn=True)
             path = "inductor"
         except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
-            if self.opts.guard == "strict" or compat.is_dynamo_control_flow(exc):
+            if self.opts.guard.raises or compat.is_dynamo_control_flow(exc):
                 raise
             report().add_fallback(
                 FallbackKind.COMPILE_ERROR, node=_blame_from_exception(exc, planted), phase="compile", graph=self.record,

@@ -37,7 +37,7 @@ from ..guard.faults import parse_fault_spec
 from ..guard.graph_edit import retarget_dtypes
 from ..guard.kernel_state import KernelState
 from ..guard.runtime import GuardedGraph
-from ..options import Options
+from ..options import GuardMode, Options
 from ..passes import PassManager
 from ..report import report
 # load_constants, load_inputs, regenerate: repro scripts import them from here
@@ -106,7 +106,7 @@ def resolve_options(options: dict[str, Any]) -> Any:
     """The saved options (ENN_* variables still win), set up for a replay: guard off for the
     fast path (compile errors raise), no persisted kernel state, no new repro scripts."""
     opts = Options.from_sources(options)
-    return opts.replace(guard="strict", persist=False, repro=False)
+    return opts.replace(guard=GuardMode.STRICT, persist=False, repro=False)
 
 
 def fast_path(gm: fx.GraphModule, phase: str, opts: Any) -> Callable[[list], Any]:
@@ -303,8 +303,8 @@ def guarded_problems(module: Callable[..., Any], inputs: Sequence[Any], *, phase
     if eager_exc is not None:
         return [f"eager raises: {_one_line(eager_exc)}"]
     opts = Options.from_sources(options).replace(persist=False, repro=False)
-    if opts.guard in ("off", "strict"):
-        opts = opts.replace(guard="nonfinite")
+    if not opts.guard.guarded or opts.guard.raises:
+        opts = opts.replace(guard=GuardMode.NONFINITE)
     gm = trace(module, inputs)
     patches: dict[str, Any] = dict(compat.mode_config_patches(opts.mode))
     patches["post_grad_custom_post_pass"] = PassManager(opts, "corpus", "post_grad")

@@ -98,16 +98,16 @@ class GuardedGraph:
         self.mode = self.opts.guard
         self.every = self.opts.guard_every
         self.warmup = self.opts.guard_warmup
-        self.checks_outputs = self.mode != "exceptions"
+        self.checks_outputs = self.mode.checks_outputs
         # value checks: every checked call in "values" mode, else the first call of each
         # artifact and every `guard_values`-th call; never where random draws differ by design
-        self.value_every = 0 if (self.mode == "exceptions" or compiler.random) else self.opts.guard_values
-        self.values_always = self.mode == "values" and not compiler.random
+        self.value_every = self.opts.guard_values if self.mode.checks_outputs and not compiler.random else 0
+        self.values_always = self.mode.checks_every_value and not compiler.random
         # a graph loaded from AOTAutograd's cache was checked when it was compiled; checking its
         # first call again would trace it again, which a warm start exists to avoid
         self.first_call_values = not compiler.from_cache
         self.low_precision: bool | None = None  # does the graph compute in fp16/bf16? (on the first value check)
-        self.keep_inputs = self.mode == "exceptions"  # exceptions mode may re-run any call
+        self.keep_inputs = self.mode.keeps_inputs  # exceptions mode may re-run any call
         self.counters = record.counters  # the report's counters for this graph, updated per call
         self.calls = 0
         self.since_build = 0  # calls since the current artifact was built
@@ -475,7 +475,7 @@ class GuardedGraph:
                     key = node_key(self.compiler.node(name))
                     if key:
                         self.compiler.state.record(key, "pinned", exc, reason=what)
-        if self.mode == "strict":
+        if self.mode.raises:
             raise EnnGuardError(
                 f"enn (guard=strict): {kind} in compiled graph {rec.id} (phase {phase}) at node(s) {nodes}: {what}. "
                 f"Eager's result is right where the compiled one is not, so the compiled kernel is at fault. "
@@ -521,7 +521,7 @@ class GuardedGraph:
             fp32 = self._fp32_retry(what, call, bad)
             if fp32 is not None:
                 return fp32
-        if self.mode == "strict":
+        if self.mode.raises:
             raise EnnGuardError(
                 f"enn (guard=strict): graph {rec.id} (phase {phase}) produces NaN/Inf in eager too: the model's own numerics, not a kernel fault."
             )
@@ -564,7 +564,7 @@ class GuardedGraph:
             ok = not _agree(not ok)
         if not ok:
             return None
-        if self.mode == "strict":
+        if self.mode.raises:
             raise EnnGuardError(
                 f"enn (guard=strict): graph {rec.id} (phase {phase}) overflows in low precision ({what}); fp32 is finite."
             )
