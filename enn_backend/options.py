@@ -36,7 +36,6 @@ from typing import Any, Mapping
 from .fault_spec import FaultSpecError, parse_fault_specs
 
 
-
 class GuardMode(str, enum.Enum):
     """What the runtime guard does around every compiled graph (option ``guard``, ``ENN_GUARD``).
 
