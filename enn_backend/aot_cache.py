@@ -45,7 +45,8 @@ from . import compat
 from .debug.log import log_compiled_graph
 from .graph_compiler import GraphCompiler
 from .guard import graph_edit as E
-from .guard.kernel_state import graph_key, node_key, state_for
+from .guard.kernel_entry import graph_key, node_key
+from .guard.kernel_state import state_for
 from .guard.runtime import GuardedGraph
 from .options import Options
 from .passes import current_module_state, module_state

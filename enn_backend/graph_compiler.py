@@ -25,7 +25,8 @@ from . import compat
 from .custom_ops.pinned import EMITTED
 from .debug.repro import write_repro
 from .guard import graph_edit as E
-from .guard.kernel_state import KernelState, announce_pins, graph_key, node_key, state_for
+from .guard.kernel_entry import graph_key, node_key
+from .guard.kernel_state import KernelState, announce_pins, state_for
 from .lowerings import enn_lowerings
 from .options import Options
 from .report import FallbackKind, GraphRecord, report

@@ -19,7 +19,7 @@ import torch
 from .. import compat
 from ..report import FallbackKind, GraphRecord, report
 from . import graph_edit as E
-from .kernel_state import graph_key, node_key
+from .kernel_entry import graph_key, node_key
 from .localize import CONFIRM_RUNS, Localization, localize, suspects_from_traceback
 from .screen import (LateScreen, allowance, compiled_is_worse, divergent, diverging, nonfinite_inputs,
                      nonfinite_outputs, outputs, single_cuda_device)
