@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import enn_backend
-from enn_backend.guard.runtime import EnnGuardError
+from enn_backend.guard.calls import EnnGuardError
 
 from _models import assert_close_step, make, train_step
 

@@ -115,6 +115,7 @@ def test_passes_import_no_higher_layer():
     """The passes depend on options, report, compat, custom ops and guard/graph_edit's helpers;
     never on the backend, the compiler, the guard runtime, the caches or the tools."""
     higher = ("enn_backend.backend", "enn_backend.graph_compiler", "enn_backend.aot_cache", "enn_backend.guard.runtime",
+              "enn_backend.guard.ladder", "enn_backend.guard.calls",
               "enn_backend.debug", "enn_backend.bench", "enn_backend.demo", "enn_backend.cli")
     for m, deps in _edges().items():
         if m.startswith("enn_backend.passes"):
