@@ -8,7 +8,7 @@ kind: ``raise`` (a RuntimeError at run time), ``nan`` / ``inf`` (the node's outp
 replaced by NaN / +Inf), ``scale<f>`` (the node's output times ``f``: finite, wrong), ``compile`` (the op's Inductor lowering raises; see
 enn_backend.lowerings), or ``<raise|nan|inf>@<n>#<site>``: an intermittent fault that
 strikes on every n-th call counted at ``site`` (one planted node of one compiled unit,
-named by enn_backend.guard.faults), and returns ``x`` unchanged (a copy) on the others.
+named by enn_backend.fault_spec), and returns ``x`` unchanged (a copy) on the others.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import threading
 
 import torch
+
+from enn_backend.fault_spec import scale_of
 
 KINDS = ("raise", "nan", "inf", "compile")
 
@@ -40,15 +42,6 @@ def parse_kind(kind: str) -> tuple[str, int, str]:
     if not every.isdigit() or int(every) < 2 or not site or base == "compile":
         raise ValueError(f"enn::fault: bad intermittent kind {kind!r}; expected <raise|nan|inf>@<n>#<site>, n >= 2")
     return base, int(every), site
-
-
-def scale_of(base: str) -> float:
-    """``f`` of a ``scale<f>`` kind (a positive, finite factor other than 1), else 0."""
-    try:
-        f = float(base[len("scale"):]) if base.startswith("scale") else 0.0
-    except ValueError:
-        return 0.0
-    return f if 0 < f < float("inf") and f != 1 else 0.0
 
 
 def _strikes(every: int, site: str) -> bool:

@@ -49,6 +49,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from enn_backend import compat
+from enn_backend.report import FallbackKind, report
+
 from .pinned import register_safe_path
 
 log = logging.getLogger(__name__)
@@ -224,8 +227,6 @@ def select_kernel(p: GemmProblem, caps: HwCaps | None = None) -> KernelChoice:
 
 def autotuning() -> bool:
     """Whether Inductor's GEMM autotuning is on in the current (patched) Inductor config."""
-    from enn_backend import compat
-
     config = compat.inductor_config
     return bool(config.max_autotune or config.max_autotune_gemm)
 
@@ -275,8 +276,6 @@ def _run_with_ladder(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch
             return out.reshape(*x.shape[:-1], weight.shape[0])
         except RuntimeError as exc:
             _FAILED.add(key)
-            from enn_backend.report import FallbackKind, report
-
             report().add_fallback(
                 FallbackKind.EXCEPTION, node="enn::gemm_bias_act", phase="eager",
                 reason=f"{choice.kernel} kernel raised {type(exc).__name__}: {str(exc).strip()[:200]}",

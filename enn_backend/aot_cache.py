@@ -43,9 +43,13 @@ import torch.fx as fx
 
 from . import compat
 from .debug.log import log_compiled_graph
+from .graph_compiler import GraphCompiler
 from .guard import graph_edit as E
-from .guard.kernel_state import graph_key, node_key, state_for
+from .guard.kernel_entry import graph_key, node_key
+from .guard.kernel_state import state_for
+from .guard.runtime import GuardedGraph
 from .options import Options
+from .passes import current_module_state, module_state
 from .report import FallbackKind, GraphRecord, atomic_write_text, detached_report, report
 
 log = logging.getLogger(__name__)
@@ -106,8 +110,6 @@ def _entry(compiler: Any, fx_key: str) -> dict[str, Any] | None:
     own = [f for f in report().fallbacks if f.graph == rec.id]
     unit: dict[str, Any] | None = None
     if rec.phase != "backward":  # the unit's compile-time decisions travel with its first graph
-        from .passes import current_module_state
-
         state = current_module_state()
         unit = {
             "fallbacks": [_fallback_dict(f) for f in report().fallbacks if f.graph == compiler.unit],
@@ -251,14 +253,12 @@ class WarmStart:
         return meta
 
     def _wrap(self, compiled: Any, meta: dict[str, Any], records: list[GraphRecord]) -> Any:
-        from .guard.runtime import GuardedGraph
-
         rec = report().new_graph(self.unit, meta["phase"])
         records.append(rec)
         for f in _RECORD_FIELDS:
             setattr(rec, f, copy.deepcopy(meta["record"][f]))
         rec.from_cache = True
-        if self.opts.guard == "off":
+        if not self.opts.guard.guarded:
             return compiled
         return GuardedGraph(CachedGraph(self, meta, rec), compiled, rec)
 
@@ -298,9 +298,6 @@ class WarmStart:
         return done["traced"]
 
     def _trace_here(self) -> dict[str, Any]:
-        from .graph_compiler import GraphCompiler
-        from .passes import module_state
-
         traced: dict[str, Any] = {}
 
         def capture(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:

@@ -24,10 +24,12 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from . import compat
-from .aot_cache import WarmStart, content_digest
+from .aot_cache import WarmStart, content_digest, offer
+from .debug.log import log_compiled_graph
 from .decompositions import decomposition_table
-from .graph_compiler import make_inner_compile
+from .graph_compiler import GraphCompiler
 from .guard.faults import parse_fault_spec
+from .guard.runtime import GuardedGraph
 from .options import Options
 from .passes import PassFailed, PassManager, module_state
 from .report import FallbackKind, report
@@ -57,7 +59,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
             log.debug("enn compiled %s in %.2fs", unit, time.perf_counter() - t0)
             return compiled
         except PassFailed as exc:
-            if opts.guard == "strict" or compat.is_dynamo_control_flow(exc.cause):
+            if opts.guard.raises or compat.is_dynamo_control_flow(exc.cause):
                 if compat.is_dynamo_control_flow(exc.cause):
                     raise exc.cause from None
                 raise
@@ -65,7 +67,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
                                   reason=str(exc), action=f"recompiling {unit} without enn pass {exc.pass_name!r}")
             opts = opts.replace(**{exc.option: False})
         except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
-            if opts.guard == "strict" or compat.is_dynamo_control_flow(exc):
+            if opts.guard.raises or compat.is_dynamo_control_flow(exc):
                 raise
             report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=unit,
                                   reason=f"{type(exc).__name__}: {str(exc).strip()[:300]}",
@@ -94,7 +96,7 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     # an AOTAutograd cache hit skips `inner`: WarmStart guards and reports the loaded graphs
     warm = WarmStart(pristine, example_inputs, opts, unit, patches, decompositions)
     # the guard re-runs a faulty graph on its inputs: a guarded backward must not write into them
-    kept = compat.saved_tensors_kept() if opts.guard != "off" else contextlib.nullcontext()
+    kept = compat.saved_tensors_kept() if opts.guard.guarded else contextlib.nullcontext()
     with compat.aot_cache_hits(warm.on_load), module_state(example_inputs) as state, kept, \
             compat.inductor_attention_rewrites_off():  # enn owns attention: see compat
         compiled = compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
@@ -103,6 +105,21 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     if assumed:
         return BufferContentGuard(compiled, _fresh(pristine), assumed, unit)
     return compiled
+
+
+def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_specs: tuple) -> Callable[..., Any]:
+    """The ``inner_compile`` enn gives compile_fx: compile, then wrap in the guard."""
+
+    def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        compiler = GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit,
+                                 config_patches=config_patches, fault_specs=fault_specs)
+        compiled = compiler.build()
+        log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
+        returned = GuardedGraph(compiler, compiled, compiler.record) if opts.guard.guarded else compiled
+        offer(compiler, compiled, returned)
+        return returned
+
+    return inner_compile
 
 
 class BufferContentGuard:

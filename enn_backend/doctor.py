@@ -18,6 +18,7 @@ import time
 import torch
 
 from . import __version__, compat
+from .guard import kernel_state as K
 from .options import Options, OptionsError
 
 
@@ -41,8 +42,6 @@ def _attention_backends(device: torch.device) -> list[tuple[str, bool, str]]:
 
 def _kernel_state(opts: Options) -> str:
     """How many pins from earlier faults the next compile starts with, and how to clear them."""
-    from .guard import kernel_state as K
-
     path = K.state_path(opts)
     if path is None:
         return "kernel state: kept in memory, per process (persist is off, or fault_inject without cache_dir)"

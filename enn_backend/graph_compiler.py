@@ -1,7 +1,7 @@
 """Compiles one post-AOT graph (forward, backward or inference) for enn.
 
-AOT Autograd hands every graph it splits off to ``inner_compile``; enn's is
-:func:`make_inner_compile`. For each graph a :class:`GraphCompiler` keeps
+AOT Autograd hands every graph it splits off to ``inner_compile``; enn's
+(enn_backend.backend.make_inner_compile) makes a :class:`GraphCompiler` for it, which keeps
 
 - the pristine ATen graph: the *eager copy* the guard re-runs, and the source of
   every recompile (pins, fp32 promotion);
@@ -14,7 +14,6 @@ without enn's rewrites -> the eager graph. Every step down is recorded.
 
 from __future__ import annotations
 
-import copy
 import logging
 import shlex
 import time
@@ -23,11 +22,13 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from . import aot_cache, blame, compat
+from . import blame, compat
+from .custom_ops.pinned import EMITTED
+from .debug.repro import write_repro
 from .guard import graph_edit as E
-from .guard.kernel_state import KernelState, announce_pins, graph_key, node_key, state_command, state_for
-from .guard.runtime import GuardedGraph
-from .debug.log import log_compiled_graph
+from .guard.kernel_entry import graph_key, node_key
+from .guard.kernel_state import KernelState, announce_pins, state_command, state_for
+from .lowerings import enn_lowerings
 from .options import Options
 from .report import FallbackKind, GraphRecord, report
 
@@ -98,8 +99,6 @@ class GraphCompiler:
         never the reference it is judged against. An op the user wrote (their own SDPA call)
         runs as ATen runs it: the reference is what eager would compute."""
         if self._safe_gm is None:
-            from enn_backend.custom_ops.pinned import EMITTED
-
             enn_nodes = [n.name for n in E.candidate_nodes(self.eager_gm)
                          if n.target.namespace == "enn" or n.meta.get(EMITTED)]
             self._safe_gm = E.pin_nodes(self.eager_gm, enn_nodes) if enn_nodes else self.eager_gm
@@ -115,7 +114,7 @@ class GraphCompiler:
         if pins:
             reason = f"kernel state in {self.state.path or 'memory'} records faults for these kernels"
             action = f"compiled with {len(pins)} op(s) pinned to eager"
-            strict = self.opts.guard == "strict" and self.state.path is not None
+            strict = self.opts.guard.raises and self.state.path is not None
             if strict:  # strict would raise at their fault: say which pins hide it and how to lift them
                 keys = sorted({node_key(self.node(n)) or n for n in pins})
                 clear = state_command(self.state, "clear")
@@ -171,7 +170,7 @@ class GraphCompiler:
             compiled = self._compile(gm, enn=True)
             path = "inductor"
         except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
-            if self.opts.guard == "strict" or compat.is_dynamo_control_flow(exc):
+            if self.opts.guard.raises or compat.is_dynamo_control_flow(exc):
                 raise
             blamed = _blame_from_exception(exc, planted)
             report().add_fallback(
@@ -201,8 +200,6 @@ class GraphCompiler:
         return compiled
 
     def _compile(self, gm: fx.GraphModule, *, enn: bool) -> Any:
-        from enn_backend.lowerings import enn_lowerings
-
         patches = dict(self.config_patches)
         if not enn:  # None, not absent: compile_fx's own patch around a first compile still holds enn's passes
             patches.update(post_grad_custom_post_pass=None, post_grad_custom_pre_pass=None)
@@ -228,10 +225,6 @@ class GraphCompiler:
         if not self.opts.repro:
             return
         try:
-            from .debug.repro import write_repro
-        except ImportError:
-            return
-        try:
             path = write_repro(self, **info)
             if path:
                 self.record.events.append({"repro": path})
@@ -253,18 +246,3 @@ def _blame_from_exception(exc: BaseException, planted: list[str]) -> str:
     if "enn injected" in text and planted:
         return ",".join(planted)
     return "<graph>"
-
-
-def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_specs: tuple) -> Callable[..., Any]:
-    """The ``inner_compile`` enn gives compile_fx: compile, then wrap in the guard."""
-
-    def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
-        compiler = GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit,
-                                 config_patches=config_patches, fault_specs=fault_specs)
-        compiled = compiler.build()
-        log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
-        returned = compiled if opts.guard == "off" else GuardedGraph(compiler, compiled, compiler.record)
-        aot_cache.offer(compiler, compiled, returned)
-        return returned
-
-    return inner_compile

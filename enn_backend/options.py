@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import hashlib
 import json
 import logging
@@ -36,7 +37,64 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-GUARD_MODES = ("off", "exceptions", "nonfinite", "values", "strict")
+from .fault_spec import FaultSpecError, parse_fault_specs
+
+
+class GuardMode(str, enum.Enum):
+    """What the runtime guard does around every compiled graph (option ``guard``, ``ENN_GUARD``).
+
+    ==============  ============================================================================
+    ``off``         no guard: the compiled graph runs bare; a kernel's exception or NaN reaches
+                    the caller, nothing is localized, pinned or reported at run time
+    ``exceptions``  catches exceptions only (no output checks); keeps every call's inputs, so
+                    any call can be re-run eagerly
+    ``nonfinite``   (default) also checks outputs for NaN/Inf (every call in the warm-up, then
+                    every ``guard_every``-th) and compares values with eager on the first call
+                    and every ``guard_values``-th
+    ``values``      as ``nonfinite``, and every checked call's values are compared with eager's
+    ``strict``      checks as ``nonfinite``, but raises (EnnGuardError; compile errors and
+                    failing passes too) at the first fault instead of falling back
+    ==============  ============================================================================
+
+    A member compares equal to its string (``GuardMode.OFF == "off"``) and prints as it.
+    """
+
+    OFF = "off"
+    EXCEPTIONS = "exceptions"
+    NONFINITE = "nonfinite"
+    VALUES = "values"
+    STRICT = "strict"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def guarded(self) -> bool:
+        """Every compiled graph runs behind the guard (enn_backend.guard.runtime.GuardedGraph)."""
+        return self is not GuardMode.OFF
+
+    @property
+    def checks_outputs(self) -> bool:
+        """Outputs are checked for NaN/Inf, and values compared with eager now and then."""
+        return self.guarded and self is not GuardMode.EXCEPTIONS
+
+    @property
+    def checks_every_value(self) -> bool:
+        """Every checked call's values are compared with eager (not only every ``guard_values``-th)."""
+        return self is GuardMode.VALUES
+
+    @property
+    def keeps_inputs(self) -> bool:
+        """Every call's inputs are kept, so that any call can be re-run (no call is checked ahead)."""
+        return self is GuardMode.EXCEPTIONS
+
+    @property
+    def raises(self) -> bool:
+        """A fault (or a compile error) raises instead of falling back."""
+        return self is GuardMode.STRICT
+
+
+GUARD_MODES = tuple(m.value for m in GuardMode)
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "flex", "explicit")
 MASKED_ROW_MODES = ("eager", "zero")
 TAIL_MODES = ("auto", "on", "off")
@@ -73,8 +131,8 @@ class Options:
         default=False,
         metadata=_meta("ENN_DISABLE", "Behave exactly like backend='inductor' (no enn passes, no guard)."),
     )
-    guard: str = field(
-        default="nonfinite",
+    guard: GuardMode = field(
+        default=GuardMode.NONFINITE,
         metadata=_meta(
             "ENN_GUARD",
             "Runtime guard of every compiled graph: off | exceptions | nonfinite | values (every checked call also compared with eager) | strict.",
@@ -255,6 +313,10 @@ class Options:
         return cls(**{**from_env, **from_code, **overrides})
 
     def __post_init__(self) -> None:
+        if not isinstance(self.guard, GuardMode):  # a user's string: the enum from here on
+            if self.guard not in GUARD_MODES:
+                raise OptionsError(f"enn: guard must be one of {', '.join(GUARD_MODES)}; got {self.guard!r}")
+            object.__setattr__(self, "guard", GuardMode(self.guard))
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int) and type(value) is not int:
@@ -274,9 +336,10 @@ class Options:
                         f"enn: attention_order entry {name!r} is not one of {', '.join(ATTENTION_BACKENDS[1:])}"
                     )
         if self.fault_inject:
-            from .guard.faults import parse_fault_spec
-
-            parse_fault_spec(self.fault_inject)  # raises OptionsError on a bad spec
+            try:
+                parse_fault_specs(self.fault_inject)
+            except FaultSpecError as exc:
+                raise OptionsError(str(exc)) from None
 
     # ------------------------------------------------------------------ hashing
     def codegen_hash(self) -> str:
@@ -286,7 +349,8 @@ class Options:
         return hashlib.sha256(json.dumps(data, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The options as plain data (the guard mode as its string)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
 
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
@@ -363,8 +427,13 @@ def _coerce(f: dataclasses.Field, raw: Any, where: str) -> Any:
     return value
 
 
+def _plain(value: Any) -> Any:
+    """An enum member as the string users write (``'nonfinite'``); other values as they are."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def options_table() -> list[tuple[str, str, str, str]]:
     """(option, env var, default, description) rows, for the README and `doctor`."""
     return [
-        (f.name, f.metadata["env"], repr(f.default), f.metadata["doc"]) for f in fields(Options)
+        (f.name, f.metadata["env"], repr(_plain(f.default)), f.metadata["doc"]) for f in fields(Options)
     ]

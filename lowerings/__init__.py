@@ -12,50 +12,17 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-import torch
-
+import enn_backend.custom_ops  # noqa: F401  (registers the ops the lowerings name)
 from enn_backend import compat
 
-# op -> lowering(*args, **kwargs) returning Inductor IR
-LOWERINGS: dict[Any, Callable[..., Any]] = {}
+from . import faults, gemm, precision
 
-
-def register(op: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: add a lowering for ``op`` to enn's table."""
-
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        LOWERINGS[op] = fn
-        return fn
-
-    return deco
-
-
-def _load_all() -> None:
-    """Import the modules that fill LOWERINGS (each registers its ops)."""
-    import enn_backend.custom_ops  # noqa: F401  (the ops must exist first)
-
-    from . import faults  # noqa: F401
-    from . import precision  # noqa: F401
-    from . import gemm  # noqa: F401
-
-    try:
-        from . import attention  # noqa: F401
-    except ImportError:
-        pass
+# op -> lowering(*args, **kwargs) returning Inductor IR; one module per family of enn ops
+LOWERINGS: dict[Any, Callable[..., Any]] = {**faults.LOWERINGS, **precision.LOWERINGS, **gemm.LOWERINGS}
 
 
 @contextlib.contextmanager
 def enn_lowerings(enabled: bool = True) -> Iterator[None]:
     """Install enn's lowerings for the duration of one compile."""
-    if enabled:
-        _load_all()
     with compat.inductor_lowerings_patched(LOWERINGS if enabled else {}):
         yield
-
-
-def lowering_sources() -> list[str]:
-    """Files whose content decides enn's lowerings (hashed into pass uuids)."""
-    import glob
-    import os
-
-    return sorted(glob.glob(os.path.join(os.path.dirname(__file__), "*.py")))

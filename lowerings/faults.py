@@ -9,11 +9,14 @@ import torch
 from enn_backend import compat
 from enn_backend.custom_ops.faults import InjectedFault
 
-from . import register
 
-
-@register(torch.ops.enn.fault.default)
 def lower_fault(x, kind: str):
     if kind == "compile":
         raise InjectedFault("enn injected fault: lowering raised at compile time (ENN_FAULT_INJECT)")
     return compat.fallback_lowering(torch.ops.enn.fault.default)(x, kind)
+
+
+# op -> its lowering (collected by enn_backend.lowerings)
+LOWERINGS = {
+    torch.ops.enn.fault.default: lower_fault,
+}

@@ -21,8 +21,6 @@ import torch
 from enn_backend import compat
 from enn_backend.custom_ops import gemm as G
 
-from . import register
-
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -62,7 +60,6 @@ def _problem(x, weight, bias, act: str) -> G.GemmProblem:
     )
 
 
-@register(torch.ops.enn.gemm_bias_act.default)
 def lower_gemm_bias_act(x, weight, bias, act: str):
     choice = G.select_kernel(_problem(x, weight, bias, act))
     size = list(x.get_size())
@@ -86,3 +83,9 @@ def lower_gemm_bias_act(x, weight, bias, act: str):
     if len(size) != 2:
         out = _L(aten.view.default)(out, [*size[:-1], n])
     return out
+
+
+# op -> its lowering (collected by enn_backend.lowerings)
+LOWERINGS = {
+    torch.ops.enn.gemm_bias_act.default: lower_gemm_bias_act,
+}

@@ -13,8 +13,6 @@ import torch
 
 from enn_backend import compat
 
-from . import register
-
 aten, prims = torch.ops.aten, torch.ops.prims
 _LOW = (torch.float16, torch.bfloat16)
 
@@ -39,7 +37,6 @@ def _ndim_dim(x, dim: int) -> int:
     return dim % max(len(x.get_size()), 1)
 
 
-@register(torch.ops.enn.softmax.default)
 def lower_softmax(x, dim: int):
     dim = _ndim_dim(x, dim)
     x32 = _f32(x)
@@ -53,7 +50,6 @@ def lower_softmax(x, dim: int):
     return y, lse
 
 
-@register(torch.ops.enn.softmax_backward.default)
 def lower_softmax_backward(grad, x, lse, dim: int):
     dim = _ndim_dim(x, dim)
     y = _L(aten.exp.default)(_L(aten.sub.Tensor)(_f32(x), lse))
@@ -63,7 +59,6 @@ def lower_softmax_backward(grad, x, lse, dim: int):
     return _cast(out, x.get_dtype())
 
 
-@register(torch.ops.enn.rms_norm.default)
 def lower_rms_norm(x, weight, eps: float):
     last = len(x.get_size()) - 1
     x32 = _f32(x)
@@ -75,7 +70,6 @@ def lower_rms_norm(x, weight, eps: float):
     return _cast(y, x.get_dtype()), rstd
 
 
-@register(torch.ops.enn.rms_norm_backward.default)
 def lower_rms_norm_backward(grad, x, weight, rstd):
     size = x.get_size()
     last = len(size) - 1
@@ -94,3 +88,12 @@ def lower_rms_norm_backward(grad, x, weight, rstd):
     else:
         gw = _L(aten.full.default)([n], 0.0, dtype=x.get_dtype(), device=x.get_device())
     return gx, gw
+
+
+# op -> its lowering (collected by enn_backend.lowerings)
+LOWERINGS = {
+    torch.ops.enn.softmax.default: lower_softmax,
+    torch.ops.enn.softmax_backward.default: lower_softmax_backward,
+    torch.ops.enn.rms_norm.default: lower_rms_norm,
+    torch.ops.enn.rms_norm_backward.default: lower_rms_norm_backward,
+}

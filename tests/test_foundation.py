@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -14,7 +15,7 @@ import torch
 import enn_backend
 from enn_backend import compat
 from enn_backend import options as options_module
-from enn_backend.options import OVERRIDE_ENV, Options, OptionsError, options_table
+from enn_backend.options import OVERRIDE_ENV, GuardMode, Options, OptionsError, options_table
 
 from _models import assert_close_step, make, train_step
 
@@ -34,6 +35,24 @@ def test_bad_values_are_clear_errors():
         Options.from_sources({}, environ={"ENN_DISABLE": "maybe"})
     with pytest.raises(OptionsError, match="fault_inject kind"):
         Options.from_sources({"fault_inject": "aten.mm:boom"}, environ={})
+
+
+def test_guard_mode_is_parsed_from_the_users_string_and_printed_as_it():
+    for opts in (Options.from_sources({"guard": "values"}, environ={}),
+                 Options.from_sources({}, environ={"ENN_GUARD": " values"}), Options(guard="values"),
+                 Options().replace(guard="values")):
+        assert opts.guard is GuardMode.VALUES
+    opts = Options(guard="strict")
+    assert opts.to_dict()["guard"] == "strict" and type(opts.to_dict()["guard"]) is str
+    assert json.dumps(opts.to_dict()).count('"guard": "strict"') == 1 and f"{opts.guard}" == "strict"
+    assert dict((name, default) for name, _, default, _ in options_table())["guard"] == "'nonfinite'"
+    with pytest.raises(OptionsError, match="guard must be one of off, exceptions, nonfinite, values, strict"):
+        Options(guard="sometimes")
+    # what each mode does (enn_backend.options.GuardMode's table)
+    rows = {m.value: (m.guarded, m.checks_outputs, m.checks_every_value, m.keeps_inputs, m.raises) for m in GuardMode}
+    assert rows == {"off": (False, False, False, False, False), "exceptions": (True, False, False, True, False),
+                    "nonfinite": (True, True, False, False, False), "values": (True, True, True, False, False),
+                    "strict": (True, True, False, False, True)}
 
 
 @pytest.mark.parametrize("value", [2.7, "2.7", 3.0, True, None, "3 calls"])

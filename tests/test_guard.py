@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import enn_backend
-from enn_backend.guard.runtime import EnnGuardError
+from enn_backend.guard.calls import EnnGuardError
 
 from _models import assert_close_step, make, train_step
 
@@ -302,16 +302,19 @@ def test_steady_state_screen_on_gpu_is_read_late_then_every_call_is_checked():
 
 # ----------------------------------------------------------------------------- flaky kernels
 def test_intermittent_fault_grammar():
-    from enn_backend.guard.faults import FaultSpec, parse_fault_spec
-    from enn_backend.options import OptionsError
+    from enn_backend.fault_spec import FaultSpec, FaultSpecError, parse_fault_specs
+    from enn_backend.guard.faults import parse_fault_spec
+    from enn_backend.options import Options, OptionsError
 
     (spec,) = parse_fault_spec("aten.addmm:nan@3:fwd")
     assert spec == FaultSpec("aten.addmm", "nan", "fwd", every=3) and spec.text == "aten.addmm:nan@3:fwd"
     assert parse_fault_spec("aten.mm:raise")[0].every == 1
     for bad, why in [("aten.mm:nan@1", "at least 2"), ("aten.mm:nan@2.5", "integer"), ("aten.mm:nan@", "integer"),
                      ("aten.mm:raise@3:compile", "compile fault strikes once"), ("aten.mm:boom@3", "kind")]:
-        with pytest.raises(OptionsError, match=why):
-            parse_fault_spec(bad)
+        with pytest.raises(FaultSpecError, match=why):
+            parse_fault_specs(bad)
+        with pytest.raises(OptionsError, match=why):  # Options validates its fault_inject
+            Options(fault_inject=bad)
 
 
 def test_intermittent_fault_op_counts_calls_per_site():

@@ -16,7 +16,7 @@ _CACHE_SCRIPT = textwrap.dedent("""
         return torch.logsumexp(x, -1) + x.sum(-1) * 1e-3
     x = torch.ones(2, 4096, dtype=torch.float16)
     torch.compile(f, backend="enn")(x)
-    from enn_backend.passes import source_hash
+    from enn_backend.decompositions import source_hash
     print("HITS", counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_bypass"], source_hash())
 """)
 

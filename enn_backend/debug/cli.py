@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from dataclasses import asdict
 from typing import Any
+
+from ..guard import kernel_state as K
+from ..options import Options, OptionsError
+from ..report import format_report
+from .minify import MinifyError, minify, write_corpus
 
 
 def format_full_report(data: dict[str, Any]) -> str:
     """The report table (enn_backend.report.format_report) plus guard events and repro scripts."""
-    from ..report import format_report
-
     lines = [format_report(data)]
     repros = [(g["id"], e["repro"]) for g in data.get("graphs", []) for e in g.get("events", []) if "repro" in e]
     if repros:
@@ -43,8 +49,6 @@ def report_main(argv: list[str]) -> int:
 
 
 def _shown(path: str) -> str:
-    import os
-
     rel = os.path.relpath(path)
     return path if rel.startswith("..") else rel
 
@@ -62,8 +66,6 @@ def minify_main(argv: list[str]) -> int:
                    help="also write the minimized repro as a self-contained minifier_repros/repro_*.py test")
     p.add_argument("--corpus-doc", default="", help="what the fault is and where it came from (the corpus file's docstring)")
     args = p.parse_args(argv)
-    from .minify import MinifyError, minify, write_corpus
-
     try:
         res = minify(args.repro, any_failure=args.any, max_granularity=args.max_granularity, out=args.out,
                      verbose=args.verbose)
@@ -86,13 +88,6 @@ def _age(seconds: float) -> str:
 
 
 def state_main(argv: list[str]) -> int:
-    import os
-    import time
-    from dataclasses import asdict
-
-    from ..guard import kernel_state as K
-    from ..options import Options, OptionsError
-
     p = argparse.ArgumentParser(
         prog="python -m enn_backend state",
         description="List or clear enn's kernel state: the kernels the guard pinned to eager (and the graphs it moved "

@@ -35,8 +35,9 @@ import torch.fx as fx
 
 from .. import blame, compat
 from ..guard import graph_edit as E
+from ..report import atomic_write_text
 from . import replay
-from .repro import blame_lines, write_repro_dir
+from .repro import blame_lines, script_source, write_repro_dir
 
 
 class MinifyError(RuntimeError):
@@ -220,9 +221,6 @@ def write_corpus(repro: str, out_path: str, doc: str = "", blame: list[str] | No
     graph and inputs inline, a pytest function that asserts enn's guard handles the fault,
     and the repro's ``__main__``. ``blame``: the node names the report must name, when they
     differ from the minimized graph's nodes (``["<graph>"]`` for a graph-level fallback)."""
-    from ..report import atomic_write_text
-    from .repro import script_source
-
     base = os.path.splitext(os.path.basename(out_path))[0]
     if not base.startswith("repro_"):
         raise MinifyError(f"corpus files are named repro_*.py (pytest collects them); got {out_path}")

@@ -13,7 +13,7 @@ fail for the same reason:
                  RMSE(compiled, fp64) > m * RMSE(eager, fp64) + tol/10, m = 2 for
                  fp32, 3 for fp16/bf16)
 
-Exit codes of a repro script (:func:`run_repro`) are :data:`EXIT_CODES_DOC`: a verdict is
+Exit codes of a repro script (:func:`run_repro`) are :data:`.repro.EXIT_CODES_DOC`: a verdict is
 0, 3 or 4; 1 (and 2) are what Python itself exits with when a script fails (an uncaught
 exception; a missing file or a bad command line), so a script that breaks before or
 outside the check can never read as "the fault reproduces".
@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -34,16 +32,18 @@ import torch
 import torch.fx as fx
 
 from .. import blame, compat
+from ..graph_compiler import GraphCompiler
+from ..guard.faults import parse_fault_spec
 from ..guard.graph_edit import retarget_dtypes
+from ..guard.kernel_state import KernelState
+from ..guard.runtime import GuardedGraph
+from ..options import GuardMode, Options
+from ..passes import PassManager
+from ..report import report
+# load_constants, load_inputs, regenerate: repro scripts import them from here
+from .inputs import clone_input, load_constants, load_inputs, regenerate  # noqa: F401
+from .repro import EXIT_FAULT, EXIT_OK, EXIT_SCRIPT_ERROR, EXIT_UNDECIDED
 
-EXIT_OK, EXIT_SCRIPT_ERROR, EXIT_FAULT, EXIT_UNDECIDED = 0, 1, 3, 4
-EXIT_CODES_DOC = """\
-3  the fault reproduces
-0  it does not: enn's fast path agrees with eager
-4  undecided: eager itself fails on these inputs
-1  the script itself failed (an exception in its own machinery: loading the inputs,
-   tracing the graph; Python exits 1 on any uncaught exception, so an error before
-   the check starts reads the same)"""
 FAULT_KINDS = ("compile", "exception", "nonfinite", "accuracy")
 
 # Tolerance (atol = rtol) per dtype for compiled vs eager, as torch's accuracy harness.
@@ -66,87 +66,6 @@ class Verdict:
     @property
     def undecided(self) -> bool:
         return self.kind == "eager_error"
-
-
-# ----------------------------------------------------------------------------- inputs
-def input_meta(x: Any) -> dict[str, Any]:
-    """JSON-able description of one graph input, enough to regenerate it."""
-    if isinstance(x, torch.Tensor):
-        meta: dict[str, Any] = {
-            "kind": "tensor",
-            "shape": list(x.shape),
-            "stride": list(x.stride()),
-            "dtype": str(x.dtype).removeprefix("torch."),
-            "device": str(x.device),
-        }
-        if x.numel() and not x.is_floating_point() and not x.is_complex():
-            meta["min"] = int(x.min())
-            meta["max"] = int(x.max())
-        return meta
-    if isinstance(x, bool) or x is None or isinstance(x, (int, float)):
-        return {"kind": "scalar", "value": x}
-    if isinstance(x, torch.SymInt):
-        return {"kind": "scalar", "value": int(x)}
-    raise TypeError(f"enn repro: cannot describe an input of type {type(x).__name__}")
-
-
-def regenerate(meta: Sequence[dict[str, Any]], seed: int = 0) -> list[Any]:
-    """Inputs rebuilt from metadata: seeded random values of the recorded shape, stride and dtype.
-
-    Integer tensors are drawn from the recorded [min, max] so that indices stay in range.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    out: list[Any] = []
-    for m in meta:
-        if m["kind"] == "scalar":
-            out.append(m["value"])
-            continue
-        dtype = getattr(torch, m["dtype"])
-        shape, stride = m["shape"], m["stride"]
-        extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) if all(shape) else 0
-        if dtype.is_floating_point or dtype.is_complex:
-            flat = torch.randn(extent, generator=gen, dtype=torch.float64).to(dtype)
-        elif dtype == torch.bool:
-            flat = torch.randint(0, 2, (extent,), generator=gen).bool()
-        else:
-            lo, hi = m.get("min", 0), m.get("max", 1)
-            flat = torch.randint(lo, hi + 1, (extent,), generator=gen, dtype=torch.int64).to(dtype)
-        out.append(flat.as_strided(shape, stride).to(m["device"]))
-    return out
-
-
-def load_inputs(path: str, meta: Sequence[dict[str, Any]]) -> list[Any]:
-    """The saved real inputs (``torch.load(weights_only=True)``), else regenerated ones."""
-    if "--regenerate" not in sys.argv and os.path.exists(path):
-        data = torch.load(path, weights_only=True)
-        return list(data["inputs"])
-    print(f"enn repro: {os.path.basename(path)} not used; regenerating inputs from metadata (seed 0)")
-    return regenerate(meta)
-
-
-def load_constants(module: torch.nn.Module, path: str, meta: dict[str, dict[str, Any]]) -> torch.nn.Module:
-    """Register the graph's tensor constants (``get_attr`` targets) as buffers of ``module``."""
-    if not meta:
-        return module
-    saved = torch.load(path, weights_only=True)["constants"] if os.path.exists(path) else {}
-    for name, m in meta.items():
-        value = saved[name] if name in saved else regenerate([m])[0]
-        owner = module
-        *parents, leaf = name.split(".")
-        for p in parents:
-            owner = getattr(owner, p)
-        owner.register_buffer(leaf, value)
-    return module
-
-
-def clone_input(x: Any) -> Any:
-    """A copy with the same size, stride and values (compiled code checks strides)."""
-    if not isinstance(x, torch.Tensor):
-        return x
-    out = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device=x.device)
-    with torch.no_grad():
-        out.copy_(x)
-    return out
 
 
 # ----------------------------------------------------------------------------- graphs
@@ -186,20 +105,13 @@ def _phase_kwargs(phase: str) -> dict[str, Any]:
 def resolve_options(options: dict[str, Any]) -> Any:
     """The saved options (ENN_* variables still win), set up for a replay: guard off for the
     fast path (compile errors raise), no persisted kernel state, no new repro scripts."""
-    from ..options import Options
-
     opts = Options.from_sources(options, inductor_config=compat.inductor_option_types())
-    return opts.replace(guard="strict", persist=False, repro=False)
+    return opts.replace(guard=GuardMode.STRICT, persist=False, repro=False)
 
 
 def fast_path(gm: fx.GraphModule, phase: str, opts: Any) -> Callable[[list], Any]:
     """Compile ``gm`` as enn compiles one forward/backward graph: enn's post-grad passes,
     lowerings and planted faults, without the runtime guard. Compile errors raise."""
-    from ..graph_compiler import GraphCompiler
-    from ..guard.faults import parse_fault_spec
-    from ..guard.kernel_state import KernelState
-    from ..passes import PassManager
-
     patches: dict[str, Any] = compat.inductor_config_patches(opts.mode, opts.inductor)
     patches["post_grad_custom_post_pass"] = PassManager(opts, "repro", "post_grad")
     if opts.emulate_precision_casts:
@@ -332,7 +244,7 @@ def check(module: Callable[..., Any], inputs: Sequence[Any], *, phase: str, opti
 # ----------------------------------------------------------------------------- the script's main
 def run_repro(module: Any, inputs: Any, *, phase: str, options: dict[str, Any],
               expect: dict[str, Any] | None = None) -> int:
-    """Run a repro and print what differs. Returns the exit code (:data:`EXIT_CODES_DOC`).
+    """Run a repro and print what differs. Returns the exit code (:data:`.repro.EXIT_CODES_DOC`).
 
     ``module`` / ``inputs`` may be zero-argument functions that build them: a failure while
     building them (a corrupt inputs.pt, a bad ENN_* variable) is then the script's own
@@ -386,20 +298,13 @@ def guarded_problems(module: Callable[..., Any], inputs: Sequence[Any], *, phase
 
     Used by every ``minifier_repros/repro_*.py`` test; an empty list means enn handles it.
     """
-    from ..graph_compiler import GraphCompiler
-    from ..guard.faults import parse_fault_spec
-    from ..guard.runtime import GuardedGraph
-    from ..options import Options
-    from ..passes import PassManager
-    from ..report import report
-
     inputs = list(inputs)
     eager, eager_exc = _run_eager(module, inputs)
     if eager_exc is not None:
         return [f"eager raises: {_one_line(eager_exc)}"]
     opts = Options.from_sources(options, inductor_config=compat.inductor_option_types()).replace(persist=False, repro=False)
-    if opts.guard in ("off", "strict"):
-        opts = opts.replace(guard="nonfinite")
+    if not opts.guard.guarded or opts.guard.raises:
+        opts = opts.replace(guard=GuardMode.NONFINITE)
     gm = trace(module, inputs)
     patches: dict[str, Any] = compat.inductor_config_patches(opts.mode, opts.inductor)
     patches["post_grad_custom_post_pass"] = PassManager(opts, "corpus", "post_grad")

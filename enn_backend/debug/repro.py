@@ -8,7 +8,7 @@ default ``./enn_repros``), one folder per fault::
         repro.py     the ATen graph as inline Python, the options, and a __main__ that
                      runs enn's fast path (guard off) against eager and an fp64 run;
                      exit 3 when the fault reproduces, 0 when not, 4 undecided, 1 when
-                     the script itself failed (enn_backend.debug.replay.EXIT_CODES_DOC)
+                     the script itself failed (EXIT_CODES_DOC)
         inputs.pt    the real inputs of the faulting call (torch.save; loaded with
                      weights_only=True). Left out above MAX_SAVED_BYTES: the script
                      then regenerates inputs from the metadata it carries.
@@ -27,14 +27,26 @@ import json
 import os
 import re
 import sys
+from dataclasses import fields
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 
-from .. import blame
+from .. import __version__, blame
+from ..guard import graph_edit as E
 from ..report import atomic_write_text
-from .replay import EXIT_CODES_DOC, clone_input, input_meta
+from .inputs import clone_input, input_meta, regenerate
+
+# The exit codes of a repro script (enn_backend.debug.replay.run_repro returns them).
+EXIT_OK, EXIT_SCRIPT_ERROR, EXIT_FAULT, EXIT_UNDECIDED = 0, 1, 3, 4
+EXIT_CODES_DOC = """\
+3  the fault reproduces
+0  it does not: enn's fast path agrees with eager
+4  undecided: eager itself fails on these inputs
+1  the script itself failed (an exception in its own machinery: loading the inputs,
+   tracing the graph; Python exits 1 on any uncaught exception, so an error before
+   the check starts reads the same)"""
 
 MAX_SAVED_BYTES = 256 * 2**20  # inputs larger than this are regenerated from metadata
 INLINE_LITERAL_NUMEL = 64  # inline (corpus) repros spell out tensors up to this many elements
@@ -185,8 +197,6 @@ def script_source(gm: fx.GraphModule, inputs: Sequence[Any], *, phase: str, opti
     if inline and constants:
         raise ValueError("enn repro: an inline repro cannot carry tensor constants")
     now = datetime.datetime.now().isoformat(timespec="seconds")
-    from enn_backend import __version__
-
     codes = "Exit codes:\n" + "\n".join("    " + ln for ln in EXIT_CODES_DOC.splitlines())
     if corpus_test:
         inline = True
@@ -283,8 +293,6 @@ def unique_folder(root: str, name: str) -> str:
 
 def saved_options(opts: Any) -> dict[str, Any]:
     """The options a repro needs: every non-default one that changes what is compiled."""
-    from dataclasses import fields
-
     skip = {"guard", "guard_every", "localize_budget", "cache_dir", "persist", "repro_dir", "repro"}
     return {f.name: getattr(opts, f.name) for f in fields(opts)
             if f.name not in skip and getattr(opts, f.name) != f.default}
@@ -309,12 +317,8 @@ def write_repro(compiler: Any, *, kind: str, what: str, inputs: Sequence[Any] | 
     graph's mutated inputs had before the call (the call may have written into them).
     Without ``inputs`` (a compile-time fault) inputs are regenerated from the graph's metadata.
     """
-    from ..guard import graph_edit as E
-
     gm = compiler.eager_gm
     if inputs is None:
-        from .replay import regenerate
-
         fake = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
         inputs = regenerate([_fake_meta(v) for v in fake])
     real = list(inputs)

@@ -7,7 +7,9 @@ fast path -> exception or NaN/Inf? -> re-run the graph's eager copy on the same 
                          graph to fp32; still non-finite -> the model's own NaN: return eager's
                          result, blame nothing
 
-Modules: ``faults`` (ENN_FAULT_INJECT), ``graph_edit`` (pin / plant / promote rewrites),
-``kernel_state`` (what failed, persisted as JSON), ``localize`` (bisection),
-``runtime`` (GuardedGraph, the callable Inductor's output is wrapped in).
+Modules: ``runtime`` (GuardedGraph, the callable Inductor's output is wrapped in: the fast
+path), ``ladder`` (its fallback ladder), ``calls`` (what it holds of a call; ranks' agreement;
+EnnGuardError), ``screen`` (NaN/Inf and value screens), ``localize`` (bisection), ``graph_edit``
+(pin / plant / promote rewrites), ``kernel_entry`` (kernel keys, one record) and ``kernel_state``
+(the records, persisted as JSON), ``faults`` (what ENN_FAULT_INJECT planted).
 """

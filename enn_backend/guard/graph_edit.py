@@ -18,7 +18,8 @@ import torch.fx as fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .. import compat
-from .faults import FaultSpec, target_names
+from ..custom_ops import pinned as P
+from ..fault_spec import FaultSpec, target_names
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 # not kernels: a tuple's item, and the copy of a constant the graph holds (pinning it would hand
@@ -77,8 +78,6 @@ def copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
 
 def pin_nodes(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
     """Copy of ``gm`` with the named nodes replaced by ``enn::pinned`` calls."""
-    from enn_backend.custom_ops import pinned as P
-
     names = set(names)
     gm = copy_gm(gm)
     if not names:

@@ -2,7 +2,7 @@
 
 A key is (op, backend, device capability, dtype, shape bucket) -- not a module's
 identity -- so a second model, or a second process, with the same kernel on the same
-hardware starts with the same knowledge. An entry records the action taken (``pinned``:
+hardware starts with the same knowledge (keys and entries: :mod:`.kernel_entry`). An entry records the action taken (``pinned``:
 the node runs eagerly; ``fp32``: the whole graph computes in fp32), the fail count, the
 first and last fault's time, the guard's reason and the last exception, and who wrote
 it: torch version, enn version, machine.
@@ -58,13 +58,12 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import shlex
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from typing import Any, Callable, Iterator
 
 try:
@@ -72,124 +71,22 @@ try:
 except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
-import torch
-import torch.fx as fx
-
+from ..options import Options
 from ..report import atomic_write_text
-from .graph_edit import _tensors_in, _val, node_op_name
+from .kernel_entry import MAX_AGE_DAYS, MAX_TEXT, KernelEntry, current_versions, validated_entry
 
 log = logging.getLogger(__name__)
 
 FORMAT = "enn-kernel-state"
 VERSION = 2
 FILE_NAME = "kernel_state.json"
-ACTIONS = ("pinned", "fp32")
 MAX_ENTRIES = 1000
 MAX_FILE_BYTES = 8 * 2**20
-MAX_AGE_DAYS = 30
-MAX_TEXT = 500  # characters in a string field
 LOCK_TIMEOUT_S = 30.0
-_FUTURE_SLACK_S = 86400.0  # clocks of machines sharing a folder may disagree by this much
-
-
-@dataclass
-class KernelEntry:
-    key: str
-    action: str  # pinned | fp32
-    fail_count: int
-    first_time: float
-    last_time: float
-    reason: str
-    last_exc_type: str
-    last_exc_msg: str
-    torch_version: str
-    enn_version: str
-    machine: str
-
-    @property
-    def ident(self) -> tuple[str, str, str]:
-        return (self.key, self.torch_version, self.enn_version)
-
-    def status(self, now: float) -> str:
-        """``in force``, ``expired`` or ``other version`` (written by another torch or enn)."""
-        if (self.torch_version, self.enn_version) != current_versions():
-            return "other version"
-        return "expired" if now - self.last_time > MAX_AGE_DAYS * 86400 else "in force"
-
-
-_STR_FIELDS = ("key", "reason", "last_exc_type", "last_exc_msg", "torch_version", "enn_version", "machine")
-_FIELD_NAMES = tuple(f.name for f in fields(KernelEntry))
-
-
-def current_versions() -> tuple[str, str]:
-    """(torch, enn) versions of this process: an entry applies only under those that wrote it."""
-    import enn_backend
-
-    return torch.__version__, enn_backend.__version__
 
 
 def _machine() -> str:
     return socket.gethostname()[:100] or "unknown"
-
-
-def validated_entry(raw: Any, now: float) -> KernelEntry:
-    """The entry ``raw`` (one item of the file's ``entries``) describes; ValueError naming
-    the first field that is missing, unknown, of the wrong type or out of range."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"not an object: {raw!r:.80}")
-    missing = [n for n in _FIELD_NAMES if n not in raw]
-    unknown = sorted(set(raw) - set(_FIELD_NAMES))
-    if missing or unknown:
-        raise ValueError(f"missing fields {missing}, unknown fields {unknown}")
-    for name in _STR_FIELDS:
-        v = raw[name]
-        if not isinstance(v, str) or len(v) > MAX_TEXT:
-            raise ValueError(f"{name} must be a string of at most {MAX_TEXT} characters, got {v!r:.80}")
-    for name in ("key", "torch_version", "enn_version"):
-        if not raw[name]:
-            raise ValueError(f"{name} is empty")
-    if raw["action"] not in ACTIONS:
-        raise ValueError(f"action must be one of {', '.join(ACTIONS)}, got {raw['action']!r:.80}")
-    if type(raw["fail_count"]) is not int or raw["fail_count"] < 1:
-        raise ValueError(f"fail_count must be a positive integer, got {raw['fail_count']!r:.80}")
-    for name in ("first_time", "last_time"):
-        v = raw[name]
-        if type(v) not in (int, float) or not math.isfinite(v) or not 0 <= v <= now + _FUTURE_SLACK_S:
-            raise ValueError(f"{name} must be seconds since the epoch, not in the future, got {v!r:.80}")
-    if raw["first_time"] > raw["last_time"]:
-        raise ValueError(f"first_time {raw['first_time']} is after last_time {raw['last_time']}")
-    return KernelEntry(**{n: raw[n] for n in _FIELD_NAMES})
-
-
-def device_capability(device: torch.device) -> str:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm{major}{minor}"
-    return device.type
-
-
-def _bucket(dim: Any) -> str:
-    if not isinstance(dim, int):
-        return "s"  # symbolic
-    b = 1
-    while b < dim:
-        b *= 2
-    return str(b)
-
-
-def node_key(n: fx.Node) -> str | None:
-    ts = _tensors_in(_val(n))
-    if not ts:
-        return None
-    t = ts[0]
-    backend = "inductor-triton" if t.device.type == "cuda" else f"inductor-{t.device.type}"
-    shape = "x".join(_bucket(d) for d in t.shape) or "scalar"
-    return "|".join((node_op_name(n), backend, device_capability(t.device), str(t.dtype).removeprefix("torch."), shape))
-
-
-def graph_key(gm: fx.GraphModule) -> str:
-    """A key for a whole graph (used for fp32 pins): a hash of its code."""
-    return "graph|" + hashlib.sha256(gm.code.encode()).hexdigest()[:20]
 
 
 Entries = dict[tuple[str, str, str], KernelEntry]
@@ -452,8 +349,6 @@ def state_for(opts: Any) -> KernelState:
 def state_command(state: KernelState, sub: str) -> str:
     """The command that runs ``python -m enn_backend state <sub>`` on ``state``'s file (the
     state of an injected fault, in a file of its own, is cleared by deleting that file)."""
-    from ..options import Options
-
     folder, name = os.path.split(state.path or "")
     if name != FILE_NAME:
         return f"rm {shlex.quote(state.path or '')}"

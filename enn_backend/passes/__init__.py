@@ -14,8 +14,7 @@ from .attention import AttentionPass
 from .attention.kernels.flex import FlexConstantsPass
 from .epilogue import EpiloguePass
 from .fp32_tail import Fp32TailPass
-from .manager import (EnnPass, ModuleState, PassContext, PassFailed, current_module_state, module_state,
-                      source_hash)
+from .manager import EnnPass, ModuleState, PassContext, PassFailed, current_module_state, module_state
 from .precision import PrecisionPass
 
 # All enn passes in run order (each runs in its own stage(s), in this order within a stage).
@@ -47,4 +46,4 @@ class PassManager(manager.PassManager):
 
 __all__ = ["PASS_ORDER", "PASSES_BY_NAME", "AttentionPass", "EnnPass", "EpiloguePass", "FlexConstantsPass",
            "Fp32TailPass", "ModuleState", "PassContext", "PassFailed", "PassManager", "PrecisionPass",
-           "current_module_state", "module_state", "source_hash"]
+           "current_module_state", "module_state"]

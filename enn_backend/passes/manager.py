@@ -143,11 +143,6 @@ class EnnPass:
         return hashlib.sha256(f"{sources_hash(type(self).__module__)}|{self.opts.codegen_hash()}".encode()).hexdigest()
 
 
-def source_hash() -> str:
-    """A hash of the sources of enn's decomposition table (its cache key, enn_backend.decompositions)."""
-    return sources_hash("enn_backend.decompositions")
-
-
 class PassManager(compat.CustomGraphPass):
     """Runs the enabled ``passes`` of one stage, in order, on a graph."""
 

@@ -1,7 +1,7 @@
 """enn's precision decompositions: fp32 accumulation for fp16/bf16 reductions.
 
-Importing this module fills :data:`enn_backend.decompositions.ENN_DECOMPOSITIONS`;
-:func:`enn_backend.decompositions.decomposition_table` layers it over Inductor's table
+:data:`ENTRIES` are enn's entries of the decomposition table:
+:func:`enn_backend.decompositions.decomposition_table` layers them over Inductor's table
 when the ``precision`` option is on (``ENN_PRECISION=0`` drops every entry).
 
 Each entry only changes fp16/bf16 inputs: it casts them to fp32 once, runs Inductor's
@@ -62,7 +62,6 @@ from typing import Any, Callable
 import torch
 
 from .. import compat
-from ..decompositions import ENN_DECOMPOSITIONS
 
 aten = torch.ops.aten
 LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -99,5 +98,3 @@ ENTRIES: dict[Any, Callable[..., Any]] = {
     aten.logsumexp.default: _logsumexp,
     aten.nll_loss_forward.default: _nll_loss_forward,
 }
-
-ENN_DECOMPOSITIONS.update(ENTRIES)

@@ -1,0 +1,121 @@
+"""What kernel state records faults under, and what one record holds.
+
+A key is (op, backend, device capability, dtype, shape bucket) -- not a module's
+identity -- so a second model, or a second process, with the same kernel on the same
+hardware starts with the same knowledge (:func:`node_key`); a whole graph's key, for fp32
+pins, is a hash of its code (:func:`graph_key`). A :class:`KernelEntry` is one record, checked
+field by field when read (:func:`validated_entry`); the file that holds them, its rules and
+its locking are :mod:`.kernel_state`'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import __version__
+from .graph_edit import _tensors_in, _val, node_op_name
+
+ACTIONS = ("pinned", "fp32")
+MAX_AGE_DAYS = 30
+MAX_TEXT = 500  # characters in a string field
+_FUTURE_SLACK_S = 86400.0  # clocks of machines sharing a folder may disagree by this much
+
+
+@dataclass
+class KernelEntry:
+    key: str
+    action: str  # pinned | fp32
+    fail_count: int
+    first_time: float
+    last_time: float
+    reason: str
+    last_exc_type: str
+    last_exc_msg: str
+    torch_version: str
+    enn_version: str
+    machine: str
+
+    @property
+    def ident(self) -> tuple[str, str, str]:
+        return (self.key, self.torch_version, self.enn_version)
+
+    def status(self, now: float) -> str:
+        """``in force``, ``expired`` or ``other version`` (written by another torch or enn)."""
+        if (self.torch_version, self.enn_version) != current_versions():
+            return "other version"
+        return "expired" if now - self.last_time > MAX_AGE_DAYS * 86400 else "in force"
+
+
+_STR_FIELDS = ("key", "reason", "last_exc_type", "last_exc_msg", "torch_version", "enn_version", "machine")
+_FIELD_NAMES = tuple(f.name for f in fields(KernelEntry))
+
+
+def current_versions() -> tuple[str, str]:
+    """(torch, enn) versions of this process: an entry applies only under those that wrote it."""
+    return torch.__version__, __version__
+
+
+def validated_entry(raw: Any, now: float) -> KernelEntry:
+    """The entry ``raw`` (one item of the file's ``entries``) describes; ValueError naming
+    the first field that is missing, unknown, of the wrong type or out of range."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"not an object: {raw!r:.80}")
+    missing = [n for n in _FIELD_NAMES if n not in raw]
+    unknown = sorted(set(raw) - set(_FIELD_NAMES))
+    if missing or unknown:
+        raise ValueError(f"missing fields {missing}, unknown fields {unknown}")
+    for name in _STR_FIELDS:
+        v = raw[name]
+        if not isinstance(v, str) or len(v) > MAX_TEXT:
+            raise ValueError(f"{name} must be a string of at most {MAX_TEXT} characters, got {v!r:.80}")
+    for name in ("key", "torch_version", "enn_version"):
+        if not raw[name]:
+            raise ValueError(f"{name} is empty")
+    if raw["action"] not in ACTIONS:
+        raise ValueError(f"action must be one of {', '.join(ACTIONS)}, got {raw['action']!r:.80}")
+    if type(raw["fail_count"]) is not int or raw["fail_count"] < 1:
+        raise ValueError(f"fail_count must be a positive integer, got {raw['fail_count']!r:.80}")
+    for name in ("first_time", "last_time"):
+        v = raw[name]
+        if type(v) not in (int, float) or not math.isfinite(v) or not 0 <= v <= now + _FUTURE_SLACK_S:
+            raise ValueError(f"{name} must be seconds since the epoch, not in the future, got {v!r:.80}")
+    if raw["first_time"] > raw["last_time"]:
+        raise ValueError(f"first_time {raw['first_time']} is after last_time {raw['last_time']}")
+    return KernelEntry(**{n: raw[n] for n in _FIELD_NAMES})
+
+
+def device_capability(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm{major}{minor}"
+    return device.type
+
+
+def _bucket(dim: Any) -> str:
+    if not isinstance(dim, int):
+        return "s"  # symbolic
+    b = 1
+    while b < dim:
+        b *= 2
+    return str(b)
+
+
+def node_key(n: fx.Node) -> str | None:
+    ts = _tensors_in(_val(n))
+    if not ts:
+        return None
+    t = ts[0]
+    backend = "inductor-triton" if t.device.type == "cuda" else f"inductor-{t.device.type}"
+    shape = "x".join(_bucket(d) for d in t.shape) or "scalar"
+    return "|".join((node_op_name(n), backend, device_capability(t.device), str(t.dtype).removeprefix("torch."), shape))
+
+
+def graph_key(gm: fx.GraphModule) -> str:
+    """A key for a whole graph (used for fp32 pins): a hash of its code."""
+    return "graph|" + hashlib.sha256(gm.code.encode()).hexdigest()[:20]

@@ -1,0 +1,375 @@
+"""The guard's fallback ladder: what :class:`~enn_backend.guard.runtime.GuardedGraph` does
+when a call raised, gave NaN/Inf, or (on a value check) gave values off eager's.
+
+Re-run the eager reference on the call's inputs, then: eager fails too -> the model's own
+error, raised; NaN/Inf at eager's places -> the model's own values (or, in low precision, an
+fp32 retry that pins the graph to fp32); otherwise a kernel fault -> localize the culprit
+node(s) with trial recompiles, pin them to eager, adopt the new fast path, write a repro.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+
+from .. import blame
+from ..report import FallbackKind, report
+from . import graph_edit as E
+from .calls import LADDER, Call, EnnGuardError, RngSnapshot, agree, distributed, no_autocast
+from .kernel_entry import graph_key, node_key
+from .localize import CONFIRM_RUNS, Localization, localize, suspects_from_traceback
+from .screen import allowance, compiled_is_worse, divergent, diverging, nonfinite_inputs, nonfinite_outputs, outputs
+
+log = logging.getLogger(__name__)
+
+
+class FaultLadder:
+    """The slow path of :class:`~enn_backend.guard.runtime.GuardedGraph`, its base class.
+
+    It works on the guarded graph's state, set by GuardedGraph.__init__: ``compiler``,
+    ``compiled`` (the fast path it replaces), ``record``, ``opts``, ``mode``, ``written``,
+    ``allowed``, ``low_precision``, ``value_every`` / ``values_always``, ``inputs_are_primals``,
+    ``reported``, ``generation``, ``since_build``, ``first_call_values``.
+    """
+
+    def _restore(self, call: Call) -> None:
+        if call.snapshot is not None:
+            for i, saved in zip(self.written, call.snapshot):
+                call.inputs[i].copy_(saved)
+        if call.rng is not None:
+            call.rng.restore()
+
+    def _reference(self, call: Call) -> tuple[Any, BaseException | None]:
+        """Run the eager reference on this call's inputs (restored first). What it writes into
+        inputs and leaves in the RNG is kept on ``call``, so the ladder can leave them as
+        the reference left them after its trials ran (see _settle)."""
+        self._restore(call)
+        ref, exc = self._run_eager(self.compiler.safe_gm(), call.inputs)
+        if exc is None:
+            call.after = ([call.inputs[i].clone() for i in self.written],
+                          RngSnapshot() if call.rng is not None else None)
+        return ref, exc
+
+    def _settle(self, call: Call) -> None:
+        """Inputs and RNG as the reference run left them (trials ran after it)."""
+        if call.after is None:
+            return
+        written, rng = call.after
+        for i, t in zip(self.written, written):
+            call.inputs[i].copy_(t)
+        if rng is not None:
+            rng.restore()
+
+    def _run_eager(self, gm: torch.fx.GraphModule, inputs: list) -> tuple[Any, BaseException | None]:
+        try:
+            with no_autocast(), torch.no_grad():
+                out = gm(*inputs)
+            return list(out) if isinstance(out, (list, tuple)) else [out], None
+        except Exception as exc:  # noqa: BLE001
+            return None, exc
+
+    def _check_values(self, out: Any, call: Call) -> Any:
+        """Compare this call's results -- outputs and writes into inputs -- with the reference's."""
+        rec = self.record
+        rec.counters["value_checks"] = rec.counters.get("value_checks", 0) + 1
+        mutated = self.compiler.mutated
+        written = [call.inputs[i].clone() for i in mutated]  # what the compiled call wrote
+        self._full_compiler("a value check")
+        ref, ref_exc = self._reference(call)
+        if ref_exc is not None:
+            log.warning("enn: graph %s: the value check's eager run raised (%s: %s); compiled result kept",
+                        rec.id, type(ref_exc).__name__, ref_exc)
+            return out
+        flat = outputs(out)
+        ref_written = [call.inputs[i].clone() for i in mutated]
+        if self.low_precision is None:
+            self.low_precision = E.has_low_precision(self.compiler.eager_gm)
+        off = diverging(list(flat) + written, ref + ref_written, self.low_precision)
+        if not off:
+            for i, t in zip(mutated, written):  # the inputs keep what the compiled call wrote
+                call.inputs[i].copy_(t)
+            return out
+        with LADDER:
+            if not self._compiled_is_wrong(call, list(flat) + written, ref + ref_written, off):
+                # the reference is the outlier (compiled is as close to fp64): nobody is blamed
+                rec.counters["value_reference_outlier"] = rec.counters.get("value_reference_outlier", 0) + 1
+                log.info("enn: graph %s: compiled results %s differ from eager's, but no further from fp64: kept",
+                         rec.id, off)
+                for i, t in zip(mutated, written):
+                    call.inputs[i].copy_(t)
+                return out
+            self._count_fault()
+            n_out = len(flat)
+            where = [f"output {i}" if i < n_out else f"input {mutated[i - n_out]} (written in place)" for i in off]
+            what = f"finite values differ from eager's beyond tolerance ({', '.join(where[:6])})"
+            return self._kernel_fault("value", what, call, None, ref, [i for i in off if i < n_out] or off)
+
+    def _compiled_is_wrong(self, call: Call, got: list, ref: list, off: list[int]) -> bool:
+        """Judge a disagreement with an fp64 run of the reference. Without one (an op with no
+        fp64 kernel) nobody is blamed: a tolerance alone cannot tell a wrong kernel from a
+        reference that rounds differently."""
+        if any(not (isinstance(got[i], torch.Tensor) and isinstance(ref[i], torch.Tensor))
+               or got[i].dtype != ref[i].dtype or got[i].shape != ref[i].shape for i in off):
+            return True  # a dtype or shape eager does not give is wrong whatever the values
+        self._restore(call)
+        try:
+            ref64, exc64 = self._run_eager(self.compiler.fp64_gm(), call.inputs)
+        except Exception as exc:  # noqa: BLE001 - building the fp64 graph failed
+            ref64, exc64 = None, exc
+        if exc64 is not None:
+            log.info("enn: graph %s: no fp64 run to judge a value difference (%s: %s); nobody blamed",
+                     self.record.id, type(exc64).__name__, exc64)
+            return False
+        ref64 += [call.inputs[i].clone() for i in self.compiler.mutated]  # its writes, rounded to the inputs' dtype
+        return any(compiled_is_worse(got[i], ref[i], ref64[i], bool(self.low_precision))
+                   for i in off if i < len(ref64))
+
+    def _on_fault(self, kind: str, call: Call, exc: BaseException | None = None, bad: list | None = None,
+                  out: Any = None) -> Any:
+        rec, phase, R = self.record, self.record.phase, report()
+        bad = bad or []
+        if exc is not None:
+            what = f"{type(exc).__name__}: {exc}"
+        elif bad == [-1]:
+            what = f"another rank's compiled graph {'raised' if kind == 'exception' else 'gave NaN/Inf'} (decision shared by all ranks)"
+        else:
+            what = "NaN/Inf in compiled output"
+        self._full_compiler(what)
+        ref, ref_exc = self._reference(call)
+        rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
+        if ref_exc is not None:
+            self._count_fault()
+            R.add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=phase, graph=rec,
+                           reason=f"{what}; the eager graph raises too ({type(ref_exc).__name__}: {ref_exc})",
+                           action="raised the model's own error")
+            raise ref_exc
+        # Outputs whose NaN/Inf the reference makes at the same places, with the same finite
+        # values elsewhere, are the model's own values; any other is the compiled code's fault.
+        pattern, values = divergent(outputs(out), ref, [i for i in bad if i >= 0]) if exc is None else ([], [])
+        kernel = kind == "exception" or bad == [-1] or bool(pattern)
+        if distributed():
+            kernel = agree(kernel)
+        if kernel:
+            self._count_fault()
+            return self._kernel_fault(kind, what, call, exc, ref, pattern or bad)
+        return self._reference_nonfinite(what, call, out, ref, bad, values)
+
+    def _count_fault(self) -> None:
+        self.record.counters["faults"] = self.record.counters.get("faults", 0) + 1
+        report().count("guard.faults")
+
+    def _full_compiler(self, what: str) -> None:
+        """Make sure the ladder has the graph: a graph loaded from AOTAutograd's cache has a
+        stand-in compiler until now (enn_backend.aot_cache); this traces the graph."""
+        try:
+            self.compiler = self.compiler.full()
+        except Exception as exc:  # noqa: BLE001
+            report().add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=self.record.phase, graph=self.record,
+                                  reason=f"{what}; this graph came from AOTAutograd's cache and tracing it again "
+                                         f"failed ({type(exc).__name__}: {exc})",
+                                  action="raised: the guard has no eager copy to re-run")
+            raise EnnGuardError(f"enn: {what} in cache-loaded graph {self.record.id}, and its eager copy could not be "
+                                f"rebuilt: {type(exc).__name__}: {exc}") from exc
+
+    def _adopt(self, new: Callable[[list], Any]) -> None:
+        """Make ``new`` the fast path. The artifact first compiled is no longer the graph's: it
+        must not reach AOTAutograd's cache (enn_backend.aot_cache) if that saves it later."""
+        self.compiled, self.since_build = new, 0
+        self.generation += 1
+        self.first_call_values = True
+        self.__dict__.pop("_fx_graph_cache_key", None)
+
+    def _kernel_fault(self, kind: str, what: str, call: Call, exc: BaseException | None, ref: list,
+                      bad: list) -> Any:
+        rec, phase, R = self.record, self.record.phase, report()
+        t0 = time.perf_counter()
+
+        def still_faulty(pins: frozenset[str]) -> bool:
+            # a pin set found fault-free before re-runs its kept artifact (localize confirms)
+            compiled = trial_cache.pop(pins, None) or self.compiler.build(extra_pins=pins, quiet=True)
+            self._restore(call)
+            try:
+                out = compiled(list(call.inputs))
+            except torch.OutOfMemoryError:
+                raise
+            except Exception:  # noqa: BLE001
+                return agree(True)
+            # a trial is judged against the reference: NaN/Inf it makes where eager does not, or
+            # for a value fault, any value off eager's
+            flat = outputs(out)
+            if kind == "value":
+                faulty = bool(diverging(list(flat)[:len(ref)], ref, bool(self.low_precision)))
+            else:
+                faulty = kind == "nonfinite" and bool(divergent(flat, ref, nonfinite_outputs(flat))[0])
+            if distributed():
+                faulty = agree(faulty)
+            if not faulty:
+                trial_cache[pins] = compiled
+            return faulty
+
+        def reproduces(pins: frozenset[str]) -> bool:
+            # a flaky kernel passes some runs: a clean verdict needs every confirming run clean
+            return any(still_faulty(pins) for _ in range(CONFIRM_RUNS))
+
+        trial_cache: dict[frozenset[str], Any] = {}
+        known = self.compiler.recorded_pins()
+        if known and not reproduces(known):
+            # kernel state learned these kernels' fault since this graph was compiled
+            loc, nodes, new = Localization(pinned=sorted(known), trials=1), ",".join(sorted(known)), trial_cache[known]
+            action = (f"pinned {len(known)} op(s) whose kernels kernel state records as faulty, after 1 trial "
+                      f"recompile in {time.perf_counter() - t0:.1f}s")
+            localized = False  # the graph that localized them wrote the repro
+        elif not reproduces(frozenset()):
+            # A fresh compile of the same graph, with the same pins, runs this call cleanly: the
+            # fault was in the artifact or transient, and no node can be blamed on this evidence.
+            loc, nodes, localized = None, "<graph>", False
+            new = trial_cache[frozenset()]
+            action = (f"recompiled the graph with no new pins in {time.perf_counter() - t0:.1f}s: the fault did not "
+                      "reproduce on a fresh compile of the same graph, so no op is blamed")
+        else:
+            groups, first, why = self._suspects(kind, bad, exc)
+            loc, localized = localize(groups, still_faulty, self.opts.localize_budget, first, why), True
+            elapsed = time.perf_counter() - t0
+            if loc is None and kind == "value":
+                # no pin set brings the values to eager's: the difference is not a node's, so it
+                # is not a kernel fault this check can prove; the compiled graph stays
+                nodes, new = "<graph>", self.compiled
+                action = ("kept the compiled graph: pinning every op did not bring its values to eager's, so no "
+                          "kernel is at fault on this evidence; value checks of this graph are off from now on")
+                self.value_every, self.values_always = 0, False
+            elif loc is None:
+                nodes, action = "<graph>", "graph runs eagerly from now on (pinning every op did not remove the fault)"
+                new = self.compiler.eager_callable()
+                rec.path = "eager"
+            else:
+                nodes = ",".join(loc.pinned)
+                pins = frozenset(loc.pinned)
+                new = trial_cache.get(pins) or self.compiler.build(extra_pins=pins)
+                total = self.compiler.compute_nodes
+                action = (f"pinned {len(loc.pinned)} op(s) to eager after {loc.trials + 1} trial recompile(s) "
+                          f"in {elapsed:.1f}s; {total - len(self.compiler.pinned_now(pins))} of {total} ops stay "
+                          "compiled")
+                if loc.notes:
+                    action += "; " + "; ".join(loc.notes)
+                for name in loc.pinned:
+                    key = node_key(self.compiler.node(name))
+                    if key:
+                        self.compiler.state.record(key, "pinned", exc, reason=what)
+        sites = blame.sites(self.compiler.eager_gm, loc.pinned) if loc else []
+        if self.mode.raises:
+            raise EnnGuardError(
+                f"enn (guard=strict): {kind} in compiled graph {rec.id} (phase {phase}) at "
+                f"{blame.where(nodes, sites)}: {what}. "
+                f"Eager's result is right where the compiled one is not, so the compiled kernel is at fault. "
+                f"Set guard='nonfinite' to fall back automatically."
+            ) from exc
+        R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action, sites=sites)
+        self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
+        self._adopt(new)
+        self._settle(call)
+        if localized:
+            mutated = None if call.snapshot is None else [call.snapshot[self.written.index(i)] for i in self.compiler.mutated]
+            self.compiler.write_repro(kind=kind, what=what, inputs=call.inputs, snapshot=mutated, nodes=nodes)
+        return ref
+
+    def _suspects(self, kind: str, bad: list | None,
+                  exc: BaseException | None) -> tuple[list[list[str]], frozenset[str], str]:
+        """Suspects grouped by op (enn's own ops first), the ones to try first, and why those.
+
+        Tried first: for an exception, the ops of the kernel that raised (from the traceback);
+        for NaN/Inf, the ops that only the bad outputs depend on.
+        """
+        gm = self.compiler.eager_gm
+        cands = [n for n in E.candidate_nodes(gm) if n.name not in self.compiler.pinned_names]
+        first: frozenset[str] = frozenset()
+        why = ""
+        if exc is not None:
+            first, why = suspects_from_traceback(exc, gm), "that the raising kernel computes"
+        elif bad and bad != [-1]:
+            outs = E.output_nodes(gm)
+            bad_cone = E.ancestors(gm, [outs[i] for i in bad if i < len(outs)])
+            good_cone = E.ancestors(gm, [o for i, o in enumerate(outs) if i not in bad])
+            cands = [n for n in cands if n.name in bad_cone] or cands
+            first = frozenset(n.name for n in cands if n.name not in good_cone)
+            why = "that feed the bad outputs alone"
+        groups: dict[str, list[str]] = {}
+        for n in cands:
+            groups.setdefault(E.node_op_name(n), []).append(n.name)
+        ordered = sorted(groups.items(), key=lambda kv: not kv[0].startswith("enn."))
+        return [g for _, g in ordered], first, why
+
+    def _reference_nonfinite(self, what: str, call: Call, out: Any, ref: list, bad: list,
+                             values: list[int]) -> Any:
+        """The reference makes the compiled call's NaN/Inf too, at the same places."""
+        rec, phase, R = self.record, self.record.phase, report()
+        if E.has_low_precision(self.compiler.eager_gm) and self.opts.precision:
+            fp32 = self._fp32_retry(what, call, bad)
+            if fp32 is not None:
+                return fp32
+        if self.mode.raises:
+            raise EnnGuardError(
+                f"enn (guard=strict): graph {rec.id} (phase {phase}) produces NaN/Inf in eager too: the model's own numerics, not a kernel fault."
+            )
+        rec.counters["model_nonfinite"] = rec.counters.get("model_nonfinite", 0) + 1
+        R.count("guard.model_nonfinite")
+        if values:
+            # Same NaN/Inf places, other finite values: the reference is the result eager gives.
+            self._report_once(FallbackKind.MODEL_NONFINITE, reason=(
+                f"NaN/Inf in outputs {values} at the same places in compiled and eager code, but the other values "
+                "differ beyond the tolerance of their dtype"), action="returned eager's result (repeats counted, not re-logged)")
+            return ref
+        stale = nonfinite_inputs(call.inputs) if self.inputs_are_primals else []
+        if stale:
+            # Not this graph's numerics: what it was given already held NaN/Inf.
+            self._report_once(FallbackKind.NONFINITE_INPUTS, reason=(
+                f"graph inputs {stale[:8]} already hold NaN/Inf (parameters, buffers or activations), so eager's "
+                "result is non-finite too; an earlier step made them: a kernel fault on a call the guard did not "
+                "check (see any nonfinite_late entry) or the model's own divergence"),
+                action="returned the compiled result, which equals eager's; nothing blamed (repeats counted, not re-logged)")
+            return out
+        # The model's own values: keep the compiled outputs (the backward reads what this forward
+        # saved) and learn which infinities each output may hold on later calls. A NaN is never
+        # learned: every check meets it again.
+        for i in bad:
+            learned = allowance(ref[i])
+            if learned is not None:
+                self.allowed[i] = learned
+        log.debug("enn: graph %s: outputs %s hold NaN/Inf that eager makes too (the model's own values); compiled "
+                  "outputs kept", rec.id, bad)
+        return out
+
+    def _fp32_retry(self, what: str, call: Call, bad: list) -> Any:
+        """Low precision overflowed in eager too: the fp32 graph's result if it is finite there
+        (and the graph is pinned to fp32 from now on), else None."""
+        rec, phase, R = self.record, self.record.phase, report()
+        self._restore(call)
+        out32, exc32 = self._run_eager(self.compiler.fp32_gm(), call.inputs)
+        ok = exc32 is None and not (set(nonfinite_outputs(out32)) & set(bad))
+        if distributed():
+            ok = not agree(not ok)
+        if not ok:
+            return None
+        if self.mode.raises:
+            raise EnnGuardError(
+                f"enn (guard=strict): graph {rec.id} (phase {phase}) overflows in low precision ({what}); fp32 is finite."
+            )
+        self._count_fault()
+        new = self.compiler.build(fp32=True)
+        self.compiler.adopt(new, fp32=True)
+        self._adopt(new)
+        self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)
+        R.add_fallback(FallbackKind.PRECISION, node="<graph>", phase=phase, graph=rec,
+                       reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
+                       action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run")
+        rec.promotions.append({"node": "<graph>", "reason": "master-dtype retry: low precision overflowed"})
+        return out32
+
+    def _report_once(self, kind: FallbackKind, reason: str, action: str) -> None:
+        if kind in self.reported:
+            return
+        self.reported.add(kind)
+        report().add_fallback(kind, node="<none>", phase=self.record.phase, graph=self.record, reason=reason,
+                              action=action)
