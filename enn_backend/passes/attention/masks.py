@@ -57,6 +57,7 @@ class Constants:
         seen at that size. A module buffer counts as a constant (its compile-time value).
         """
         buffers: dict[fx.Node, tuple[int, torch.Tensor]] = {}
+        attrs: dict[fx.Node, torch.Tensor] = {}  # tensor constants the traced code made (HF's torch.tensor(0.0))
         order: list[fx.Node] = []
         seen: set[fx.Node] = set()
         stack = [n]
@@ -76,6 +77,12 @@ class Constants:
                     return None
                 buffers[x] = got
                 continue
+            if x.op == "get_attr":
+                c = getattr(x.graph.owning_module, str(x.target), None)
+                if not isinstance(c, torch.Tensor) or c.numel() > _EVAL_LIMIT:
+                    return None
+                attrs[x] = c
+                continue
             if x.op != "call_function":
                 return None
             v = val(x)
@@ -91,11 +98,13 @@ class Constants:
         env: dict[fx.Node, Any] = {}
         try:
             with compat.real_tensor_mode():  # joint passes run inside a FakeTensorMode
-                for x in sorted(order + list(buffers), key=graph_order(n.graph)):
+                for x in sorted(order + list(buffers) + list(attrs), key=graph_order(n.graph)):
                     if _is_size_symbol(x):
                         env[x] = probe
                     elif x in buffers:
                         env[x] = buffers[x][1]
+                    elif x in attrs:
+                        env[x] = attrs[x]
                     else:
                         env[x] = x.target(*fx.map_arg(x.args, env.__getitem__), **fx.map_arg(x.kwargs, env.__getitem__))
         except Exception as exc:  # noqa: BLE001 - an op that will not run on real tensors: not constant
