@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from attention_cases import B, CPU_FLASH, enn
+from attention_cases import B, CPU_FLASH, CPU_FLASH_BWD, H, T, enn, qkv
 from pass_harness import find_ops, run_passes
 
 transformers = pytest.importorskip("transformers")
@@ -66,6 +67,41 @@ def _run(family: str, impl: str, padded: bool, window: int = 0):
     return run
 
 
+def _sdpa_choices(run) -> list[dict]:
+    return [c for c in run.choices if c.get("sdpa_call")]
+
+
+# ----------------------------------------------------------------------------- the model's own SDPA calls
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hf_sdpa_causal_mask_becomes_the_causal_flag(family):
+    run = _run(family, "sdpa", padded=False)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all(c["causal"] and not c["key_padding"] for c in got), got
+    for n in find_ops(run.after, CPU_FLASH) + find_ops(run.after, CPU_FLASH_BWD):
+        assert n.kwargs["attn_mask"] is None and True in (n.args[4:] + tuple(n.kwargs.values())), n.format_node()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_hf_sdpa_left_padding_becomes_causal_flag_and_a_key_padding_vector(family):
+    """No T x T mask reaches the kernel: a [B, 1, 1, Tk] mask from the attention mask, broadcast as
+    a view and shared by both layers; the padded query rows (every key masked) equal eager's."""
+    run = _run(family, "sdpa", padded=True)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all(c["causal"] and c["key_padding"] for c in got), got
+    masks = {n.kwargs["attn_mask"] for n in find_ops(run.after, CPU_FLASH) + find_ops(run.after, CPU_FLASH_BWD)}
+    (mask,) = masks  # one mask for every layer, forward and backward
+    assert mask.target is torch.ops.aten.expand.default
+    assert tuple(mask.args[0].meta["val"].shape) == (B, 1, 1, SEQ)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_hf_sdpa_sliding_window_keeps_its_mask_with_the_reason(family):
+    run = _run(family, "sdpa", padded=False, window=4)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all("window 4: the kernel has no sliding-window flag" in c["reason"]
+                                      for c in got), got
+
+
 # ----------------------------------------------------------------------------- eager attention (finfo.min masks)
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_hf_eager_causal_mask_becomes_the_causal_flag(family):
@@ -79,6 +115,91 @@ def test_hf_eager_causal_mask_becomes_the_causal_flag(family):
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
 def test_hf_eager_sliding_window_becomes_a_window_flag(family):
     run = _run(family, "eager", padded=False, window=4)
-    got = [c for c in run.choices if c.get("fused", True)]
+    got = [c for c in run.choices if c.get("fused", True) and not c.get("sdpa_call")]
     assert len(got) == LAYERS and all(c["causal"] and c["window"] == 4 and not c["bias"] for c in got), got
     assert len(find_ops(run.after, enn.attention)) == LAYERS
+
+
+def test_hf_eager_left_padding_structure_recorded_mask_kept():
+    """With padding, eager's finfo.min fill makes the padded query rows uniform over *all* keys:
+    the site keeps its bias tensor, and the report says what it is made of."""
+    run = _run("llama", "eager", padded=True)
+    got = [c for c in run.choices if c["choice"] == "cpu_flash"]
+    assert len(got) == LAYERS and all(c["mask_tensor"] == "causal + key padding [B, Tk], finfo.min fill" and c["bias"]
+                                      for c in got), got
+
+
+# ----------------------------------------------------------------------------- near misses
+def _indices():
+    b = torch.arange(B)[:, None, None, None]
+    i = torch.arange(T)[None, None, :, None]
+    j = torch.arange(T)[None, None, None, :]
+    return b, i, j
+
+
+def _left_padding() -> torch.Tensor:
+    pad = torch.ones(B, T, dtype=torch.long)
+    pad[1, :3] = 0
+    return pad
+
+
+def hf_causal_padding(q, k, v, pad):
+    """masking_utils' non-vmap expansion: and_masks(causal, padding_mask_function(pad))."""
+    b, i, j = _indices()
+    keep = torch.ones((), dtype=torch.bool) & (j <= i) & pad.bool()[b, j]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep.expand(B, -1, T, T))
+
+
+def padding_by_query(q, k, v, pad):
+    b, i, j = _indices()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j <= i) & pad.bool()[b, i]).expand(B, -1, T, T))
+
+
+def segment_ids(q, k, v, pad):
+    """A packed-sequence mask: depends on data other than a key-padding vector."""
+    b, i, j = _indices()
+    seg = pad.cumsum(-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j <= i) & (seg[b, i] == seg[b, j])).expand(B, -1, T, T))
+
+
+def future_window(q, k, v, pad):
+    """A band on the wrong side of the diagonal: keys i <= j < i + 3."""
+    b, i, j = _indices()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j >= i) & (j < i + 3) & pad.bool()[b, j]).expand(B, -1, T, T))
+
+
+def causal_or_padding(q, k, v, pad):
+    b, i, j = _indices()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j <= i) | pad.bool()[b, j]).expand(B, -1, T, T))
+
+
+def test_hand_built_hf_mask_is_recognized():
+    run = run_passes(hf_causal_padding, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert c["causal"] and c["key_padding"], c
+    run.check_eager()
+
+
+@pytest.mark.parametrize("fn, why", [
+    (padding_by_query, "indexed by query position"),
+    (segment_ids, "depends on tensors other than a key-padding vector"),
+    (future_window, "neither causal nor a sliding window"),
+    (causal_or_padding, "depends on tensors other than a key-padding vector"),
+])
+def test_near_misses_keep_their_mask_with_a_reason(fn, why):
+    run = run_passes(fn, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert "keeps its materialized mask" in c["reason"] and why in c["reason"], c
+    assert all(n.kwargs["attn_mask"] is not None for n in find_ops(run.after, CPU_FLASH))
+    run.check_eager()
+
+
+def test_hf_sdpa_left_padding_inference_graph():
+    model = _model("llama", "sdpa").eval()
+    mask = torch.ones(B, SEQ, dtype=torch.long)
+    mask[1, :PADDED] = 0
+    ids = torch.randint(3, 128, (B, SEQ)).masked_fill(mask == 0, 0)
+    run = run_passes(_Logits(model), [ids, mask], ["attention"], training=False)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all(c["causal"] and c["key_padding"] and not c["training"] for c in got), got
+    run.check_eager()

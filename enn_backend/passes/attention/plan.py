@@ -20,7 +20,7 @@ from ...options import Options
 from ..fx_utils import shape, val
 from ..manager import current_module_state
 from .kernels import Kernel, kernel_for
-from .masks import Dims, Structure, classify
+from .masks import Dims, Structure, classify, tensor_provenance
 from .match import Match, Skip, gqa_base
 from .policy import Choice, choose
 from .problem import AttentionProblem
@@ -41,6 +41,7 @@ class Plan:
     kernel: Kernel
     masked_rows: str  # enn::attention's fully-masked-row semantics ("eager" | "zero")
     refusal: str = ""  # why the chosen kernel cannot take this site ("" when it can)
+    provenance: str = ""  # what the mask tensors left to the kernel are made of (masks.tensor_provenance)
 
     @property
     def backend(self) -> Backend:
@@ -119,6 +120,9 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
     choice = choose(problem, opts.attention_backend, opts.attention_order)
     bias_shape = _bias_shape(st, m.three_d)
     refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, inputs, grads, bias_shape, v)
+    dims = Dims(tq, tk, 1 if m.three_d else shape(m.q)[1])
+    provenance = "; ".join(tensor_provenance(t, dims, shape(m.q)[0], current_module_state())
+                           for t in [b.node for b in st.bias] + [t.cond for t in st.keep + st.floors if t.keep_when_true])
     return Plan(m, k, v, rep, st, regions, bias_grad, problem, choice,
                 kernel_for(choice.backend, problem, bias_shape[-1] if bias_shape else None),
-                "zero" if opts.masked_rows == "zero" else "eager", refusal)
+                "zero" if opts.masked_rows == "zero" else "eager", refusal, provenance)
