@@ -203,3 +203,33 @@ def test_hf_sdpa_left_padding_inference_graph():
     got = _sdpa_choices(run)
     assert len(got) == LAYERS and all(c["causal"] and c["key_padding"] and not c["training"] for c in got), got
     run.check_eager()
+
+
+def _eager_attention(keep, q, k, v):
+    """transformers' eager path: scores + where(keep, 0, finfo.min), softmax, @ V."""
+    bias = torch.where(keep, torch.tensor(0.0), torch.finfo(torch.float32).min)
+    return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias, dim=-1) @ v
+
+
+def hf_eager_causal_padding(q, k, v, pad):
+    b, i, j = _indices()
+    return _eager_attention((j <= i) & pad.bool()[b, j], q, k, v)
+
+
+def eager_segment_ids(q, k, v, pad):
+    b, i, j = _indices()
+    seg = pad.cumsum(-1)
+    return _eager_attention((j <= i) & (seg[b, i] == seg[b, j]), q, k, v)
+
+
+@pytest.mark.parametrize("fn, want", [
+    (hf_eager_causal_padding, "causal + key padding [B, Tk], finfo.min fill"),
+    (eager_segment_ids, "arbitrary (a factor computed by eq.Tensor depends on tensors other than a key-padding vector)"),
+])
+def test_eager_finfo_min_masks_record_their_structure_or_why_not(fn, want):
+    """An eager site keeps its finfo.min mask tensor (rows with every key masked are uniform
+    over all keys in eager); the report says what the tensor is, or why it is arbitrary."""
+    run = run_passes(fn, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert c["mask_tensor"] == want and c["bias"], c
+    run.check_eager()

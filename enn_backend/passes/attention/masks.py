@@ -239,7 +239,8 @@ def _key_padding(leaf: fx.Node, batch: Any, tk: int, ev: Constants) -> tuple[Opt
     """(vector, "") if ``leaf`` is HF's ``padding_mask_function``: ``vector[b_idx, kv_idx]`` with
     ``b_idx`` / ``kv_idx`` the aranges of the batch and key axes; else (None, why not)."""
     if not is_call(leaf, aten.index.Tensor) or len(leaf.args[1]) != 2 or any(i is None for i in leaf.args[1]):
-        return None, f"a factor computed by {getattr(leaf.target, '__name__', leaf.op)} depends on tensors other than a key-padding vector"
+        what = f"computed by {leaf.target.__name__}" if leaf.op == "call_function" else f"read from {leaf.op} {leaf.name}"
+        return None, f"a factor {what} depends on tensors other than a key-padding vector"
     vec, (bi, ki) = leaf.args[0], leaf.args[1]
     vs = shape(vec)
     if vs is None or len(vs) != 2 or tensor_dtype(vec) != torch.bool:
@@ -312,7 +313,7 @@ def _number(n: Any, ev: Constants) -> Optional[float]:
 def tensor_provenance(n: fx.Node, dims: Dims, batch: Any, state: Optional[ModuleState]) -> str:
     """What a mask tensor left to the kernels is made of: a boolean keep-mask, or the additive
     ``where(keep, 0, fill)`` transformers' ``eager_mask`` builds (``finfo.min`` fill), described
-    by :func:`keep_structure`; or "arbitrary" and why."""
+    by :func:`keep_structure`; or "arbitrary" and why; "" for a tensor that is not such a mask."""
     cond, fill = n, ""
     if tensor_dtype(n) != torch.bool:
         ev = Constants(state)
@@ -320,7 +321,7 @@ def tensor_provenance(n: fx.Node, dims: Dims, batch: Any, state: Optional[Module
             value = _fill(_number(n.args[2], ev)) if is_call(n, aten.where.self) and _number(
                 n.args[1], ev) == 0.0 else None
         if value is None:
-            return "arbitrary (not a where(mask, 0, fill) of a boolean mask)"
+            return ""  # not a mask: a bias (learned, relative positions, HF's (1 - mask) * finfo.min)
         cond, fill = n.args[0], (", -inf fill" if value == float("-inf") else ", finfo.min fill")
     ks, why = keep_structure(cond, dims, batch, state)
     return ks.describe() + fill if ks is not None else f"arbitrary ({why})"
