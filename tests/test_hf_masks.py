@@ -233,3 +233,14 @@ def test_eager_finfo_min_masks_record_their_structure_or_why_not(fn, want):
     (c,) = run.choices
     assert c["mask_tensor"] == want and c["bias"], c
     run.check_eager()
+
+
+def test_a_mask_that_drops_every_key_is_not_a_band():
+    """transformers' sliding window of 0 (``kv_idx > q_idx - 0`` and causal) keeps no key at all:
+    eager's finfo.min makes every row uniform over all keys. Not a causal flag: the mask stays."""
+    model = _model("mistral", "eager")
+    model.config.sliding_window = 0  # read at every forward
+    run = run_passes(_Logits(model), [torch.randint(3, 128, (B, SEQ))], ["attention"], training=True)
+    got = [c for c in run.choices if c["choice"] == "cpu_flash"]
+    assert len(got) == LAYERS and all(not c["causal"] and c["bias"] for c in got), got
+    run.check_eager()

@@ -141,8 +141,10 @@ def _band(keep: torch.Tensor, tq: int, tk: int) -> Optional[tuple[str, int]]:
     j = torch.arange(tk, device=keep.device).view(1, tk)
     causal = j <= i
     if not bool((first & ~causal).any()):
-        # a band: keys i - w < j <= i for some w
+        # a band: keys i - w < j <= i for some w >= 1 (w = 0 masks every key: no band)
         w = int(first.sum(-1).max())
+        if w == 0:
+            return None
         band = causal & (i - j < w)
         if bool((first == band).all()):
             return ("causal", 0) if w >= tk else ("window", w)
