@@ -63,6 +63,9 @@ def _llama():
 
 
 MODELS = {"gpt2": _gpt2, "gpt2_left_padded": _gpt2_left_padded, "bert": _bert, "llama": _llama}
+# Without an attention mask transformers' mask is constant (causal): it becomes the causal flag.
+# With one it is a finfo.min bias the kernel gets as a tensor (tests/test_hf_masks.py).
+CAUSAL_FLAG = {"gpt2", "llama"}
 
 
 def _build(name: str, device: str):
@@ -104,7 +107,10 @@ def test_hf_attention_fused_cpu(name):
     choices = _check(name, "cpu", {"attention_backend": "flash"}, autocast=False)
     assert {c["choice"] for c in choices} == {"cpu_flash"}
     assert all(EMITTED in c["reason"] for c in choices), choices
-    assert all("-2**100" in c["reason"] for c in choices), choices  # every HF mask is finfo.min-based
+    if name in CAUSAL_FLAG:
+        assert all(c["causal"] and not c["bias"] for c in choices), choices
+    else:
+        assert all("-2**100" in c["reason"] for c in choices), choices  # HF's padding masks are finfo.min-based
 
 
 def test_hf_left_padded_explicit_math_cpu():
@@ -134,10 +140,15 @@ def test_hf_left_padded_inference_cpu():
 @pytest.mark.parametrize("autocast", [True, False], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_hf_attention_gpu(name, autocast):
-    """Default CUDA policy. transformers builds every mask here (the causal ones too) as a
-    finfo.min bias from the attention mask input, which can mask whole rows of a left-padded
-    batch: it becomes SDPA's memory-efficient kernel with the mask floored at SATURATED_FLOOR.
-    Loss and gradients equal eager, the padded rows included."""
+    """Default CUDA policy. A mask built from an attention mask input is a finfo.min bias, which
+    can mask whole rows of a left-padded batch: it becomes SDPA's memory-efficient kernel with
+    the mask floored at SATURATED_FLOOR. Without one the mask is constant and causal: the causal
+    flag, on flash / cuDNN in bf16 (efficient in fp32). Loss and gradients equal eager, the
+    padded rows included."""
     choices = _check(name, "cuda", {}, autocast=autocast)
-    assert {c["choice"] for c in choices} == {"efficient"}, choices
+    if name in CAUSAL_FLAG:
+        assert all(c["causal"] and not c["bias"] for c in choices), choices
+        assert {c["choice"] for c in choices} <= ({"cudnn", "flash"} if autocast else {"efficient"}), choices
+    else:
+        assert {c["choice"] for c in choices} == {"efficient"}, choices
     assert all(EMITTED in c["reason"] for c in choices), choices

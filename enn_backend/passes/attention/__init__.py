@@ -22,6 +22,7 @@ from ..manager import EnnPass, PassContext, current_module_state
 from .match import Skip, match_at
 from .plan import Plan, plan_site
 from .rewrite import rewrite
+from .sdpa_calls import replan_sdpa_calls
 
 aten = torch.ops.aten
 
@@ -55,19 +56,21 @@ class AttentionPass(EnnPass):
                 report().add_fallback(FallbackKind.PASS_SKIPPED, node=n.name, phase="compile", graph=ctx.unit,
                                       reason=f"attention at {n.name} not fused: {why}", action="left as written",
                                       level=logging.INFO)
-        if count:
+        replanned = replan_sdpa_calls(graph, mode, ctx) if mode is not None else 0
+        if count or replanned:
             graph.eliminate_dead_code()
             compat.stable_topological_sort(graph)
             graph.lint()
-        return count
+        return count + replanned
 
     def _fuse(self, graph: fx.Graph, plan: Plan, mode: object, ctx: PassContext) -> int:
         out, choice = plan.match.out, plan.choice
         if choice.forced_failed:
             report().add_fallback(FallbackKind.KERNEL_CHOICE, node=out.name, phase="compile", graph=ctx.unit,
                                   reason=choice.forced_failed, action=f"using {choice.backend} ({choice.reason})")
+        tensors = {"mask_tensor": plan.provenance} if plan.provenance else {}
         if choice.backend is Backend.INDUCTOR:
-            ctx.kernel_choice(out, choice.backend.value, choice.reason, fused=False)
+            ctx.kernel_choice(out, choice.backend.value, choice.reason, fused=False, **tensors)
             return 0
         if plan.refusal:
             raise Skip(plan.refusal)
@@ -79,8 +82,13 @@ class AttentionPass(EnnPass):
             reason += (f"; mask buffer (input {index}) checked {'causal' if st.causal else 'structural'} at compile "
                        "time, its content guarded per call")
         p = plan.problem
+        if plan.provenance:
+            reason += f"; mask tensor kept materialized, read from its provenance as: {plan.provenance}"
+            if "finfo.min fill" in plan.provenance:
+                reason += (" (with a finfo.min fill a row whose keys are all masked is uniform over all keys in "
+                           "eager, which no causal / window flag reproduces)")
         ctx.kernel_choice(out, choice.backend.value, reason, causal=st.causal, window=st.window,
                           gqa=p.heads_q != p.heads_kv, mask=p.has_mask, bias=p.has_bias, alibi=p.alibi,
-                          training=bool(plan.regions.grads))
+                          training=bool(plan.regions.grads), **tensors)
         ctx.fusion("attention")
         return 1

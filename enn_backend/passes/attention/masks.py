@@ -25,9 +25,9 @@ import torch.fx as fx
 
 from ... import compat
 from ...custom_ops.attention import SATURATED
-from ..fx_utils import CONVERT, VIEWS, graph_order, is_call, shape, val
+from ..fx_utils import CONVERT, VIEWS, graph_order, is_call, shape, tensor_dtype, val
 from ..manager import ModuleState
-from .match import BiasTerm, MaskTerm, scalar
+from .match import BiasTerm, MaskTerm, _fill, scalar
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -57,6 +57,7 @@ class Constants:
         seen at that size. A module buffer counts as a constant (its compile-time value).
         """
         buffers: dict[fx.Node, tuple[int, torch.Tensor]] = {}
+        attrs: dict[fx.Node, torch.Tensor] = {}  # tensor constants the traced code made (HF's torch.tensor(0.0))
         order: list[fx.Node] = []
         seen: set[fx.Node] = set()
         stack = [n]
@@ -76,6 +77,12 @@ class Constants:
                     return None
                 buffers[x] = got
                 continue
+            if x.op == "get_attr":
+                c = getattr(x.graph.owning_module, str(x.target), None)
+                if not isinstance(c, torch.Tensor) or c.numel() > _EVAL_LIMIT:
+                    return None
+                attrs[x] = c
+                continue
             if x.op != "call_function":
                 return None
             v = val(x)
@@ -91,11 +98,13 @@ class Constants:
         env: dict[fx.Node, Any] = {}
         try:
             with compat.real_tensor_mode():  # joint passes run inside a FakeTensorMode
-                for x in sorted(order + list(buffers), key=graph_order(n.graph)):
+                for x in sorted(order + list(buffers) + list(attrs), key=graph_order(n.graph)):
                     if _is_size_symbol(x):
                         env[x] = probe
                     elif x in buffers:
                         env[x] = buffers[x][1]
+                    elif x in attrs:
+                        env[x] = attrs[x]
                     else:
                         env[x] = x.target(*fx.map_arg(x.args, env.__getitem__), **fx.map_arg(x.kwargs, env.__getitem__))
         except Exception as exc:  # noqa: BLE001 - an op that will not run on real tensors: not constant
@@ -132,8 +141,10 @@ def _band(keep: torch.Tensor, tq: int, tk: int) -> Optional[tuple[str, int]]:
     j = torch.arange(tk, device=keep.device).view(1, tk)
     causal = j <= i
     if not bool((first & ~causal).any()):
-        # a band: keys i - w < j <= i for some w
+        # a band: keys i - w < j <= i for some w >= 1 (w = 0 masks every key: no band)
         w = int(first.sum(-1).max())
+        if w == 0:
+            return None
         band = causal & (i - j < w)
         if bool((first == band).all()):
             return ("causal", 0) if w >= tk else ("window", w)
@@ -185,6 +196,137 @@ def _relative_positions(rv: Optional[torch.Tensor], tq: int, tk: int) -> Any:
     if got.is_floating_point() and bool((got == (j - i).to(got.dtype)).all()):
         return got.dtype
     return None
+
+
+# ----------------------------------------------------------------------------- provenance of keep-masks
+@dataclass(frozen=True)
+class KeepStructure:
+    """What a boolean keep-mask computed in the graph amounts to: the band of its constant factors
+    and, optionally, a key-padding vector ``[B, Tk]`` (key ``j`` of batch ``b`` kept where true)."""
+
+    band: tuple[str, int]  # ('none'|'causal'|'window', w)
+    key_padding: Optional[fx.Node] = None
+
+    def describe(self) -> str:
+        kind, w = self.band
+        parts = [] if kind == "none" else [f"window {w}" if kind == "window" else "causal"]
+        return " + ".join(parts + ["key padding [B, Tk]"] * (self.key_padding is not None)) or "no mask"
+
+
+_AND = (aten.bitwise_and.Tensor, aten.logical_and.default)
+_THROUGH = (aten.expand.default, aten.alias.default, aten.clone.default)  # keep right-aligned broadcasting
+
+
+def _factors(n: Any, out: list[fx.Node]) -> None:
+    """The factors of a conjunction (HF's ``and_masks``, ``a & b``), through broadcasts and bool casts."""
+    while is_call(n, *_THROUGH) or (is_call(n, CONVERT) and n.args[1] == torch.bool):
+        n = n.args[0]
+    if is_call(n, *_AND):
+        for a in n.args:
+            _factors(a, out)
+    else:
+        out.append(n)
+
+
+def _is_arange(v: Optional[torch.Tensor], length: int, dim: int) -> bool:
+    """``v`` is ``arange(length)`` laid along axis ``dim`` of a 4-D broadcast shape."""
+    if v is None or v.dim() != 4 or v.is_floating_point() or v.dtype == torch.bool:
+        return False
+    want = [1, 1, 1, 1]
+    want[dim] = length
+    return list(v.shape) == want and bool((v.reshape(-1) == torch.arange(length)).all())
+
+
+def _key_padding(leaf: fx.Node, batch: Any, tk: int, ev: Constants) -> tuple[Optional[fx.Node], str]:
+    """(vector, "") if ``leaf`` is HF's ``padding_mask_function``: ``vector[b_idx, kv_idx]`` with
+    ``b_idx`` / ``kv_idx`` the aranges of the batch and key axes; else (None, why not)."""
+    if not is_call(leaf, aten.index.Tensor) or len(leaf.args[1]) != 2 or any(i is None for i in leaf.args[1]):
+        what = f"computed by {leaf.target.__name__}" if leaf.op == "call_function" else f"read from {leaf.op} {leaf.name}"
+        return None, f"a factor {what} depends on tensors other than a key-padding vector"
+    vec, (bi, ki) = leaf.args[0], leaf.args[1]
+    vs = shape(vec)
+    if vs is None or len(vs) != 2 or tensor_dtype(vec) != torch.bool:
+        return None, "an indexed mask factor that is not a 2-D boolean vector"
+    bv, kv = ev.value(bi), ev.value(ki)
+    if not _is_arange(bv, batch, 0):
+        return None, "a mask factor indexed by something other than the batch index"
+    if _is_arange(kv, tk, 2):
+        return None, "a padding vector indexed by query position (not a key-padding mask)"
+    if not _is_arange(kv, tk, 3):
+        return None, "a padding vector indexed by something other than the key position (offset or data)"
+    if tuple(vs) != (batch, tk):
+        return None, f"padding vector of shape {tuple(vs)}, not [B, Tk] = [{batch}, {tk}]"
+    return vec, ""
+
+
+def keep_structure(cond: fx.Node, dims: Dims, batch: Any, state: Optional[ModuleState]
+                   ) -> tuple[Optional[KeepStructure], str]:
+    """(structure, "") of a boolean keep-mask ``[.., Tq, Tk]`` built in the graph, or (None, why not).
+
+    The mask must be a conjunction whose factors are constants (``arange`` compares: causal,
+    sliding window, all-true) and at most one key-padding gather ``vector[b_idx, kv_idx]`` (what
+    transformers' ``masking_utils`` builds from the ``[B, T]`` attention mask). Anything else --
+    a factor reading other data, a padding vector indexed by query position, an ``or`` -- is
+    arbitrary."""
+    tq, tk = dims.tq, dims.tk
+    if not all(isinstance(d, int) for d in (tq, tk, batch)):
+        return None, "dynamic shapes: mask provenance is read for fixed lengths only"
+    factors: list[fx.Node] = []
+    _factors(cond, factors)
+    ev = Constants(state)
+    padding: Optional[fx.Node] = None
+    with compat.real_tensor_mode():  # the pass runs under the graph's fake mode
+        keep = torch.ones(tq, tk, dtype=torch.bool)
+        for f in factors:
+            cv = ev.value(f) if isinstance(f, fx.Node) else None
+            if cv is not None:
+                if cv.dtype != torch.bool or cv.dim() > 4:
+                    return None, "a constant mask factor that is not a boolean [.., Tq, Tk] tensor"
+                if cv.dim() > 2:  # the same for every batch and head (a constant folded after its expand)
+                    flat = cv.reshape(-1, *cv.shape[-2:])
+                    if not bool((flat == flat[:1]).all()):
+                        return None, "a constant mask factor that varies over batch or heads"
+                    cv = flat[0]
+                try:
+                    keep = keep & cv
+                except RuntimeError:
+                    return None, f"a constant mask factor of shape {tuple(cv.shape)} does not broadcast to [{tq}, {tk}]"
+                continue
+            if padding is not None:
+                return None, "more than one data-dependent mask factor"
+            padding, why = _key_padding(f, batch, tk, ev)
+            if padding is None:
+                return None, why
+        band = _band(keep.expand(tq, tk), tq, tk)
+    if band is None:
+        return None, "the constant part of the mask is neither causal nor a sliding window"
+    if ev.reads:
+        return None, "a mask read from a module buffer (guarded elsewhere)"
+    return KeepStructure(band, padding), ""
+
+
+def _number(n: Any, ev: Constants) -> Optional[float]:
+    v = ev.value(n) if isinstance(n, fx.Node) else None
+    if v is not None and v.numel() == 1 and v.is_floating_point():
+        return float(v)
+    return scalar(n)
+
+
+def tensor_provenance(n: fx.Node, dims: Dims, batch: Any, state: Optional[ModuleState]) -> str:
+    """What a mask tensor left to the kernels is made of: a boolean keep-mask, or the additive
+    ``where(keep, 0, fill)`` transformers' ``eager_mask`` builds (``finfo.min`` fill), described
+    by :func:`keep_structure`; or "arbitrary" and why; "" for a tensor that is not such a mask."""
+    cond, fill = n, ""
+    if tensor_dtype(n) != torch.bool:
+        ev = Constants(state)
+        with compat.real_tensor_mode():
+            value = _fill(_number(n.args[2], ev)) if is_call(n, aten.where.self) and _number(
+                n.args[1], ev) == 0.0 else None
+        if value is None:
+            return ""  # not a mask: a bias (learned, relative positions, HF's (1 - mask) * finfo.min)
+        cond, fill = n.args[0], (", -inf fill" if value == float("-inf") else ", finfo.min fill")
+    ks, why = keep_structure(cond, dims, batch, state)
+    return ks.describe() + fill if ks is not None else f"arbitrary ({why})"
 
 
 # ----------------------------------------------------------------------------- pattern families

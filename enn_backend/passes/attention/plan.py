@@ -20,7 +20,7 @@ from ...options import Options
 from ..fx_utils import shape, val
 from ..manager import current_module_state
 from .kernels import Kernel, kernel_for
-from .masks import Dims, Structure, classify
+from .masks import Dims, Structure, classify, tensor_provenance
 from .match import Match, Skip, gqa_base
 from .policy import Choice, choose
 from .problem import AttentionProblem
@@ -41,6 +41,7 @@ class Plan:
     kernel: Kernel
     masked_rows: str  # enn::attention's fully-masked-row semantics ("eager" | "zero")
     refusal: str = ""  # why the chosen kernel cannot take this site ("" when it can)
+    provenance: str = ""  # what the mask tensors left to the kernel are made of (masks.tensor_provenance)
 
     @property
     def backend(self) -> Backend:
@@ -104,7 +105,8 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
     """Decide how to fuse match ``m``; raises Skip when it cannot be fused whatever the kernel."""
     k, v, rep = _kv(m)
     tq, tk = shape(m.q)[-2], shape(k)[-2]
-    st = classify(m.masks, m.bias_terms, Dims(tq, tk, 1 if m.three_d else shape(m.q)[1]), current_module_state())
+    dims = Dims(tq, tk, 1 if m.three_d else shape(m.q)[1])
+    st = classify(m.masks, m.bias_terms, dims, current_module_state())
     if st.causal and tq != tk:
         raise Skip("causal mask with Tq != Tk (SDPA's causal is top-left aligned)")
     inputs = [m.q, k, v] + [b.node for b in st.bias] + ([st.alibi.term] if st.alibi else [])
@@ -119,6 +121,9 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
     choice = choose(problem, opts.attention_backend, opts.attention_order)
     bias_shape = _bias_shape(st, m.three_d)
     refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, inputs, grads, bias_shape, v)
+    provenance = "; ".join(filter(None, (
+        tensor_provenance(t, dims, shape(m.q)[0], current_module_state())
+        for t in [b.node for b in st.bias] + [t.cond for t in st.keep + st.floors if t.keep_when_true])))
     return Plan(m, k, v, rep, st, regions, bias_grad, problem, choice,
                 kernel_for(choice.backend, problem, bias_shape[-1] if bias_shape else None),
-                "zero" if opts.masked_rows == "zero" else "eager", refusal)
+                "zero" if opts.masked_rows == "zero" else "eager", refusal, provenance)

@@ -1,0 +1,246 @@
+"""Mask structure from provenance: the masks ``transformers`` 5 builds (``masking_utils``: causal
+``arange`` compares, ``and_masks``, ``padding_mask_function`` on the ``[B, T]`` attention mask,
+sliding windows, ``finfo.min`` fills on the eager path, boolean masks on the SDPA path), read
+back to a structure by the attention pass. CPU, tiny models (2 layers, T=16), pass harness:
+the structure each site gets, and values and gradients equal to eager's, left padding and its
+fully masked query rows included. Near misses keep their mask tensor, with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attention_cases import B, CPU_FLASH, CPU_FLASH_BWD, H, T, enn, qkv
+from pass_harness import find_ops, run_passes
+
+transformers = pytest.importorskip("transformers")
+
+from _hf import no_dropout  # noqa: E402
+
+LAYERS, SEQ, PADDED = 2, 16, 5
+
+
+@pytest.fixture(autouse=True)
+def _fuse_tiny(monkeypatch):
+    """Tiny CPU attention is left to Inductor by default; this order makes enn fuse eager sites."""
+    monkeypatch.setenv("ENN_ATTENTION_ORDER", "flash,explicit")
+
+
+class _Logits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask=None):
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
+def _model(family: str, impl: str, window: int = 0) -> torch.nn.Module:
+    cfg = dict(num_hidden_layers=LAYERS, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, vocab_size=128, max_position_embeddings=64, pad_token_id=0,
+               attn_implementation=impl)
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**cfg, sliding_window=window or None))
+    else:
+        extra = dict(use_sliding_window=True, sliding_window=window, max_window_layers=0) if window else {}
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg, **extra))
+    model.config.use_cache = False
+    no_dropout(model)
+    return model.train()
+
+
+def _run(family: str, impl: str, padded: bool, window: int = 0):
+    """The pass on the model's training graph; values and gradients checked against eager."""
+    model = _model(family, impl, window)
+    ids = torch.randint(3, 128, (B, SEQ))
+    args = [ids]
+    if padded:  # batched generation's layout: the second prompt padded on the left
+        mask = torch.ones(B, SEQ, dtype=torch.long)
+        mask[1, :PADDED] = 0
+        args = [ids.masked_fill(mask == 0, 0), mask]
+    run = run_passes(_Logits(model), args, ["attention"], training=True)
+    run.check_eager()  # the logits of every position (padded rows too) and every parameter's gradient
+    return run
+
+
+def _sdpa_choices(run) -> list[dict]:
+    return [c for c in run.choices if c.get("sdpa_call")]
+
+
+# ----------------------------------------------------------------------------- the model's own SDPA calls
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hf_sdpa_causal_mask_becomes_the_causal_flag(family):
+    run = _run(family, "sdpa", padded=False)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all(c["causal"] and not c["key_padding"] for c in got), got
+    for n in find_ops(run.after, CPU_FLASH) + find_ops(run.after, CPU_FLASH_BWD):
+        assert n.kwargs["attn_mask"] is None and True in (n.args[4:] + tuple(n.kwargs.values())), n.format_node()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_hf_sdpa_left_padding_becomes_causal_flag_and_a_key_padding_vector(family):
+    """No T x T mask reaches the kernel: a [B, 1, 1, Tk] mask from the attention mask, broadcast as
+    a view and shared by both layers; the padded query rows (every key masked) equal eager's."""
+    run = _run(family, "sdpa", padded=True)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all(c["causal"] and c["key_padding"] for c in got), got
+    masks = {n.kwargs["attn_mask"] for n in find_ops(run.after, CPU_FLASH) + find_ops(run.after, CPU_FLASH_BWD)}
+    (mask,) = masks  # one mask for every layer, forward and backward
+    assert mask.target is torch.ops.aten.expand.default
+    assert tuple(mask.args[0].meta["val"].shape) == (B, 1, 1, SEQ)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_hf_sdpa_sliding_window_keeps_its_mask_with_the_reason(family):
+    run = _run(family, "sdpa", padded=False, window=4)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all("window 4: the kernel has no sliding-window flag" in c["reason"]
+                                      for c in got), got
+
+
+# ----------------------------------------------------------------------------- eager attention (finfo.min masks)
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_hf_eager_causal_mask_becomes_the_causal_flag(family):
+    """The mask is ``where(causal, tensor(0.0), finfo.min)``: a constant, folded to the flag."""
+    run = _run(family, "eager", padded=False)
+    got = [c for c in run.choices if c["choice"] == "cpu_flash"]
+    assert len(got) == LAYERS and all(c["causal"] and not c["bias"] for c in got), got
+    assert all(n.kwargs["attn_mask"] is None for n in find_ops(run.after, CPU_FLASH))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_hf_eager_sliding_window_becomes_a_window_flag(family):
+    run = _run(family, "eager", padded=False, window=4)
+    got = [c for c in run.choices if c.get("fused", True) and not c.get("sdpa_call")]
+    assert len(got) == LAYERS and all(c["causal"] and c["window"] == 4 and not c["bias"] for c in got), got
+    assert len(find_ops(run.after, enn.attention)) == LAYERS
+
+
+def test_hf_eager_left_padding_structure_recorded_mask_kept():
+    """With padding, eager's finfo.min fill makes the padded query rows uniform over *all* keys:
+    the site keeps its bias tensor, and the report says what it is made of."""
+    run = _run("llama", "eager", padded=True)
+    got = [c for c in run.choices if c["choice"] == "cpu_flash"]
+    assert len(got) == LAYERS and all(c["mask_tensor"] == "causal + key padding [B, Tk], finfo.min fill" and c["bias"]
+                                      for c in got), got
+
+
+# ----------------------------------------------------------------------------- near misses
+def _indices():
+    b = torch.arange(B)[:, None, None, None]
+    i = torch.arange(T)[None, None, :, None]
+    j = torch.arange(T)[None, None, None, :]
+    return b, i, j
+
+
+def _left_padding() -> torch.Tensor:
+    pad = torch.ones(B, T, dtype=torch.long)
+    pad[1, :3] = 0
+    return pad
+
+
+def hf_causal_padding(q, k, v, pad):
+    """masking_utils' non-vmap expansion: and_masks(causal, padding_mask_function(pad))."""
+    b, i, j = _indices()
+    keep = torch.ones((), dtype=torch.bool) & (j <= i) & pad.bool()[b, j]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep.expand(B, -1, T, T))
+
+
+def padding_by_query(q, k, v, pad):
+    b, i, j = _indices()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j <= i) & pad.bool()[b, i]).expand(B, -1, T, T))
+
+
+def segment_ids(q, k, v, pad):
+    """A packed-sequence mask: depends on data other than a key-padding vector."""
+    b, i, j = _indices()
+    seg = pad.cumsum(-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j <= i) & (seg[b, i] == seg[b, j])).expand(B, -1, T, T))
+
+
+def future_window(q, k, v, pad):
+    """A band on the wrong side of the diagonal: keys i <= j < i + 3."""
+    b, i, j = _indices()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j >= i) & (j < i + 3) & pad.bool()[b, j]).expand(B, -1, T, T))
+
+
+def causal_or_padding(q, k, v, pad):
+    b, i, j = _indices()
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=((j <= i) | pad.bool()[b, j]).expand(B, -1, T, T))
+
+
+def test_hand_built_hf_mask_is_recognized():
+    run = run_passes(hf_causal_padding, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert c["causal"] and c["key_padding"], c
+    run.check_eager()
+
+
+@pytest.mark.parametrize("fn, why", [
+    (padding_by_query, "indexed by query position"),
+    (segment_ids, "depends on tensors other than a key-padding vector"),
+    (future_window, "neither causal nor a sliding window"),
+    (causal_or_padding, "depends on tensors other than a key-padding vector"),
+])
+def test_near_misses_keep_their_mask_with_a_reason(fn, why):
+    run = run_passes(fn, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert "keeps its materialized mask" in c["reason"] and why in c["reason"], c
+    assert all(n.kwargs["attn_mask"] is not None for n in find_ops(run.after, CPU_FLASH))
+    run.check_eager()
+
+
+def test_hf_sdpa_left_padding_inference_graph():
+    model = _model("llama", "sdpa").eval()
+    mask = torch.ones(B, SEQ, dtype=torch.long)
+    mask[1, :PADDED] = 0
+    ids = torch.randint(3, 128, (B, SEQ)).masked_fill(mask == 0, 0)
+    run = run_passes(_Logits(model), [ids, mask], ["attention"], training=False)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all(c["causal"] and c["key_padding"] and not c["training"] for c in got), got
+    run.check_eager()
+
+
+def _eager_attention(keep, q, k, v):
+    """transformers' eager path: scores + where(keep, 0, finfo.min), softmax, @ V."""
+    bias = torch.where(keep, torch.tensor(0.0), torch.finfo(torch.float32).min)
+    return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias, dim=-1) @ v
+
+
+def hf_eager_causal_padding(q, k, v, pad):
+    b, i, j = _indices()
+    return _eager_attention((j <= i) & pad.bool()[b, j], q, k, v)
+
+
+def eager_segment_ids(q, k, v, pad):
+    b, i, j = _indices()
+    seg = pad.cumsum(-1)
+    return _eager_attention((j <= i) & (seg[b, i] == seg[b, j]), q, k, v)
+
+
+@pytest.mark.parametrize("fn, want", [
+    (hf_eager_causal_padding, "causal + key padding [B, Tk], finfo.min fill"),
+    (eager_segment_ids, "arbitrary (a factor computed by eq.Tensor depends on tensors other than a key-padding vector)"),
+])
+def test_eager_finfo_min_masks_record_their_structure_or_why_not(fn, want):
+    """An eager site keeps its finfo.min mask tensor (rows with every key masked are uniform
+    over all keys in eager); the report says what the tensor is, or why it is arbitrary."""
+    run = run_passes(fn, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert c["mask_tensor"] == want and c["bias"], c
+    run.check_eager()
+
+
+def test_a_mask_that_drops_every_key_is_not_a_band():
+    """transformers' sliding window of 0 (``kv_idx > q_idx - 0`` and causal) keeps no key at all:
+    eager's finfo.min makes every row uniform over all keys. Not a causal flag: the mask stays."""
+    model = _model("mistral", "eager")
+    model.config.sliding_window = 0  # read at every forward
+    run = run_passes(_Logits(model), [torch.randint(3, 128, (B, SEQ))], ["attention"], training=True)
+    got = [c for c in run.choices if c["choice"] == "cpu_flash"]
+    assert len(got) == LAYERS and all(not c["causal"] and c["bias"] for c in got), got
+    run.check_eager()
