@@ -131,8 +131,8 @@ def _inputs(model: torch.nn.Module, padding: str) -> dict[str, torch.Tensor]:
     return kwargs
 
 
-def build(name: str, impl: str = "sdpa"):
-    """``(model, kwargs)`` on the CPU: the model in training mode with dropout and ``use_cache`` off."""
+def build(name: str, impl: str = "sdpa", device: str = "cpu"):
+    """``(model, kwargs)`` on ``device``: the model in training mode with dropout and ``use_cache`` off."""
     import transformers
 
     torch.manual_seed(0)
@@ -141,8 +141,8 @@ def build(name: str, impl: str = "sdpa"):
     assert model.config._attn_implementation == impl, (name, impl, model.config._attn_implementation)
     model.config.use_cache = False
     no_dropout(model)
-    kwargs = _inputs(model, spec.padding)
-    return model.train(), kwargs
+    kwargs = {k: v.to(device) for k, v in _inputs(model, spec.padding).items()}
+    return model.to(device).train(), kwargs
 
 
 def loss_of(out) -> torch.Tensor:
@@ -174,12 +174,15 @@ def step(run, model: torch.nn.Module, kwargs: dict, autocast: bool = False) -> S
     return Step(loss.detach().float(), outputs, grads)
 
 
-def compiled_and_eager(name: str, impl: str, backend: str = "enn", options: dict | None = None) -> tuple[Step, Step]:
-    """The same weights and batch on the CPU, one step compiled with ``backend`` and one in eager."""
-    model, kwargs = build(name, impl)
+def compiled_and_eager(name: str, impl: str, backend: str = "enn", options: dict | None = None,
+                       device: str = "cpu", autocast: bool = False) -> tuple[Step, Step]:
+    """The same weights and batch on ``device``, one step compiled with ``backend`` and one in eager
+    (both under bf16 autocast with ``autocast``)."""
+    model, kwargs = build(name, impl, device)
     reference = copy.deepcopy(model)
     kw = {} if options is None else {"options": options}
-    return step(torch.compile(model, backend=backend, **kw), model, kwargs), step(reference, reference, kwargs)
+    return (step(torch.compile(model, backend=backend, **kw), model, kwargs, autocast),
+            step(reference, reference, kwargs, autocast))
 
 
 def _nonfinite(t: torch.Tensor | None) -> int:
