@@ -109,7 +109,7 @@ def test_precision_fault_retries_in_fp32():
 def test_strict_mode_raises_naming_graph_node_phase():
     model, x = make("mlp")
     compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard": "strict", "fault_inject": "aten.addmm:nan:fwd"})
-    with pytest.raises(EnnGuardError, match=r"g0/forward.*phase forward.*node\(s\) addmm"):
+    with pytest.raises(EnnGuardError, match=r"g0/forward.*phase forward.*at fc1 \(_models.py:\d+, in forward\) \[addmm\]"):
         compiled(x)
 
 

@@ -29,7 +29,7 @@ ATTENTION_LAYERS = (
     {f"{A}.kernels"},
     {f"{A}.policy"},
     {f"{A}.plan"},
-    {f"{A}.rewrite"},
+    {f"{A}.rewrite", f"{A}.sdpa_calls"},  # the two edits: a fused site, a model's own SDPA call
     {A},
 )
 
