@@ -145,15 +145,7 @@ class GraphCompiler:
         return frozenset(self._state_pins(exclude=self.pinned_names))
 
     def eager_callable(self) -> Callable[[list], Any]:
-        gm = self.eager_gm
-
-        def run(args: list) -> Any:
-            inputs = list(args)
-            args.clear()
-            return list(gm(*inputs))
-
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
+        return boxed_eager(self.eager_gm)
 
     # ---------------------------------------------------------------- building
     def build(self, extra_pins: frozenset[str] = frozenset(), fp32: bool | None = None, quiet: bool = False) -> Callable[[list], Any]:
@@ -246,3 +238,15 @@ def _blame_from_exception(exc: BaseException, planted: list[str]) -> str:
     if "enn injected" in text and planted:
         return ",".join(planted)
     return "<graph>"
+
+
+def boxed_eager(gm: fx.GraphModule) -> Callable[[list], Any]:
+    """``gm`` run eagerly as a compiled graph is called: one list of inputs, cleared on entry so
+    that AOT Autograd's runtime can free them early (the boxed calling convention)."""
+    def run(args: list) -> Any:
+        inputs = list(args)
+        args.clear()
+        return list(gm(*inputs))
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run

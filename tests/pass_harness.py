@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from enn_backend import compat
 from enn_backend.decompositions import decomposition_table
+from enn_backend.graph_compiler import boxed_eager
 from enn_backend.options import Options
 from enn_backend.passes import PASS_ORDER, PASSES_BY_NAME, EnnPass, PassManager, module_state
 from enn_backend.report import GraphRecord, report
@@ -162,14 +163,7 @@ def run_passes(fn: Callable[..., Any], inputs: Sequence[Any], passes: Sequence[s
         if post_grad is not None:
             post_grad(gm.graph)
         gm.recompile()  # the graph as enn hands it to Inductor runs eagerly: it must be valid ATen
-
-        def run(args: list) -> list:
-            inputs = list(args)
-            args.clear()
-            return list(gm(*inputs))
-
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
+        return boxed_eager(gm)
 
     assumed: dict[int, torch.Tensor] = {}
 
