@@ -22,6 +22,8 @@ def problem(**kw):
 def test_policy_choices():
     assert choose(problem()).backend == "cudnn"
     assert choose(problem(capability=(8, 0))).backend == "flash"
+    # Grouped-query K/V (HF's repeat_kv): cuDNN, like flash, reads the graph's repeated K/V.
+    assert choose(problem(heads_kv=4)).backend == "cudnn"
     assert choose(problem(dtype="float32")).backend == "efficient"
     assert choose(problem(has_mask=True, causal=False)).backend == "inductor"  # measured faster than SDPA with a mask
     assert choose(problem(has_mask=True, causal=False), backend="efficient").backend == "efficient"

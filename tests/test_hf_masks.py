@@ -129,6 +129,21 @@ def test_hf_eager_left_padding_structure_recorded_mask_kept():
                                       for c in got), got
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hf_eager_left_padding_structure_read_on_cuda():
+    """The mask's constants evaluate on the graph's device; their structure is read the same
+    way on CUDA as on the CPU (not "arbitrary")."""
+    model = _model("llama", "eager").cuda()
+    mask = torch.ones(B, SEQ, dtype=torch.long, device="cuda")
+    mask[1, :PADDED] = 0
+    ids = torch.randint(3, 128, (B, SEQ), device="cuda").masked_fill(mask == 0, 0)
+    run = run_passes(_Logits(model), [ids, mask], ["attention"], training=True)
+    run.check_eager()
+    got = [c.get("mask_tensor") for c in run.choices if "mask_tensor" in c]
+    assert got == ["causal + key padding [B, Tk], finfo.min fill"] * LAYERS, got
+
+
 # ----------------------------------------------------------------------------- near misses
 def _indices():
     b = torch.arange(B)[:, None, None, None]

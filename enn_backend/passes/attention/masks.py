@@ -50,7 +50,7 @@ class Constants:
         self.reads: list[tuple[int, torch.Tensor]] = []
 
     def value(self, n: fx.Node, probe: Optional[int] = None) -> Optional[torch.Tensor]:
-        """``n`` evaluated (small, static shapes), or None when it is not a constant.
+        """``n`` evaluated (small, static shapes) as a CPU tensor, or None when it is not a constant.
 
         With ``probe``, symbolic sizes (SymInt placeholders, ``sym_size``) are allowed and each
         of them is evaluated as ``probe``: the mask a dynamic-shape graph builds from its sizes,
@@ -114,7 +114,7 @@ class Constants:
         if type(out) is not torch.Tensor:
             return None  # a FakeTensor means fake mode was active
         self.reads.extend(buffers.values())
-        return out
+        return out.cpu()  # values are read for their structure, next to CPU tensors, whatever the graph's device
 
 
 # ----------------------------------------------------------------------------- structure of constant masks

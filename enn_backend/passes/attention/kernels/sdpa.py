@@ -69,8 +69,7 @@ def check_cudnn(p: AttentionProblem) -> tuple[bool, str]:
         return False, "enn runs cuDNN attention without a mask or bias tensor (bias goes to memory-efficient)"
     if p.head_dim > 128 or p.head_dim % 8 or p.head_dim != p.head_dim_v:
         return False, f"cuDNN needs equal head dims, a multiple of 8, <= 128 (have {p.head_dim}/{p.head_dim_v})"
-    if p.heads_q != p.heads_kv:
-        return False, "cuDNN (SDPA) does not take grouped-query K/V"
+    # Grouped-query K/V: like flash, the kernel reads the graph's repeated K/V (SdpaKernel).
     return True, "SDPA cuDNN: Hopper, fp16/bf16"
 
 
