@@ -127,8 +127,9 @@ def _hf(family: str, impl: str, **cfg: Any):
 
 # ---------------------------------------------------------------- sizes
 # cpu-small: tiny, compiles in seconds; gpu-real: 2 layers, real widths, T = 1024-4096.
-_TINY = dict(num_hidden_layers=2, vocab_size=128, max_position_embeddings=64)
-_TINY_LLAMA = dict(_TINY, batch=2, seq=32, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+_TINY = dict(num_hidden_layers=2, vocab_size=128, max_position_embeddings=128)
+# decoders at T=64: the shortest sequence whose attention enn's CPU policy fuses (inference)
+_TINY_LLAMA = dict(_TINY, batch=2, seq=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
                    intermediate_size=128)  # GQA 4:1, head dim 16
 _GPU_LLAMA = dict(num_hidden_layers=2, vocab_size=32000, max_position_embeddings=4096, hidden_size=2048,
                   num_attention_heads=16, num_key_value_heads=4, intermediate_size=5632)  # GQA 4:1, head dim 128
@@ -143,7 +144,7 @@ def real_specs() -> list[ModelSpec]:
                  _hf("llama", "eager"), {"cpu-small": dict(_TINY_LLAMA),
                                          "gpu-real": dict(_GPU_LLAMA, batch=4, seq=1024)}, requires=hf),
         ModelSpec("hf_llama_eager_4k", "HF LLaMA, eager attention at T=4096, GQA 4:1, head dim 128 (training only)",
-                 _hf("llama", "eager"), {"cpu-small": dict(_TINY_LLAMA, seq=64),
+                 _hf("llama", "eager"), {"cpu-small": dict(_TINY_LLAMA, seq=128),
                                          "gpu-real": dict(_GPU_LLAMA, batch=1, seq=4096)},
                  requires=hf, modes=("train",)),
         ModelSpec("hf_qwen2_sdpa", "HF Qwen2, sdpa attention, GQA 8:1, left-padded batch",
@@ -155,17 +156,17 @@ def real_specs() -> list[ModelSpec]:
                                         "gpu-real": dict(_GPU_LLAMA, batch=4, seq=1024)}, requires=hf),
         ModelSpec("hf_mistral_eager", "HF Mistral, eager attention, sliding window (T/4), GQA 4:1",
                  _hf("mistral", "eager"),
-                 {"cpu-small": dict(_TINY_LLAMA, head_dim=16, sliding_window=8),
+                 {"cpu-small": dict(_TINY_LLAMA, head_dim=16, sliding_window=16),
                   "gpu-real": dict(_GPU_LLAMA, head_dim=128, sliding_window=512, batch=2, seq=2048)}, requires=hf),
         ModelSpec("hf_gpt2_eager", "HF GPT-2, eager attention, transformers' default dropout 0.1 (attention, residual, embedding)",
                  _hf("gpt2", "eager"),
-                 {"cpu-small": dict(batch=2, seq=32, n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
+                 {"cpu-small": dict(batch=2, seq=64, n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
                   "gpu-real": dict(batch=8, seq=1024, n_layer=2, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)},
                  requires=hf, stochastic="trains with transformers' default dropout 0.1 (attention, residual, embedding): "
                                          "every backend draws its own random stream"),
         ModelSpec("hf_bloom", "HF BLOOM (ALiBi: per-head slope x distance bias through baddbmm), left-padded batch",
                  _hf("bloom", "eager", padding="left"),
-                 {"cpu-small": dict(batch=2, seq=32, n_layer=2, hidden_size=64, n_head=4, vocab_size=128),
+                 {"cpu-small": dict(batch=2, seq=64, n_layer=2, hidden_size=64, n_head=4, vocab_size=128),
                   "gpu-real": dict(batch=4, seq=1024, n_layer=2, hidden_size=2048, n_head=16, vocab_size=32000)},
                  requires=hf),
     ]
