@@ -20,7 +20,7 @@ for stage in "$@"; do
     bench)     python3 -m enn_backend bench --preset gpu --out "$OUT/bench" ;;
     # third-party models (transformers, timm, torchvision); its own budget keeps it under 7 minutes, the
     # timeout (SIGINT) backs that up: results are rewritten after every workload, so a cut run keeps them
-    real)      timeout -s INT -k 15 410 python3 -m enn_backend bench --preset real --out "$OUT/real" ;;
+    real)      timeout -s INT -k 15 390 python3 -m enn_backend bench --preset real --out "$OUT/real" ;;
     demo)      python3 -m enn_backend demo ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee "$OUT/$stage.log" | tail -40

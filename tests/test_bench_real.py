@@ -3,6 +3,7 @@ end to end, skipped models with their reason, host vs kernel time, partial resul
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -75,6 +76,29 @@ def test_modes_of_a_model_limit_its_workloads(monkeypatch):
                         {"model": m, "mode": mode, "dtype": dt, "backends": {}})
     runner.run_suite(runner.BenchConfig(models=["hf_llama_eager_4k", "hf_llama_eager"], warm_up=False))
     assert ran == [("hf_llama_eager_4k", "train"), ("hf_llama_eager", "train"), ("hf_llama_eager", "infer")]
+
+
+def test_gpt2_trains_with_transformers_default_dropout():
+    model, make, _ = models.build("hf_gpt2_eager", "cpu-small")
+    assert model.model.config.attn_pdrop == model.model.config.resid_pdrop == 0.1
+    assert models.spec("hf_gpt2_eager").stochastic
+    batch = make(0)
+    assert not torch.equal(model(*batch.args), model(*batch.args))  # two training forwards differ
+    model.eval()
+    assert torch.equal(model(*batch.args), model(*batch.args))
+    model, _, _ = models.build("hf_bert_eager", "cpu-small")  # every other model: dropout 0, set in its config
+    assert model.model.config.attention_probs_dropout_prob == model.model.config.hidden_dropout_prob == 0.0
+
+
+@pytest.mark.slow
+def test_stochastic_training_gets_no_accuracy_verdict(monkeypatch):
+    monkeypatch.setitem(models.MODELS, "mlp", dataclasses.replace(models.MODELS["mlp"], stochastic="drops out"))
+    cfg = runner.BenchConfig(models=["mlp"], modes=["train"], backends=["eager", "inductor"], rounds=1, warmup=1,
+                             sample_s=0.001, warm_compile=False, profile_slow=False, warm_up=False, threads=1)
+    wl = runner.run_suite(cfg)["workloads"][0]
+    assert wl["eager_self_check"] == {"passed": None, "detail": "not applicable: the model drops out"}
+    assert wl["backends"]["inductor"]["accuracy"] == {"passed": None, "reason": "not judged: the model drops out"}
+    assert wl["backends"]["inductor"]["time_ms"] > 0
 
 
 # ------------------------------------------------------------------ presets and the command line

@@ -87,7 +87,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     s["accuracy"] = acc
     worse = [label(w) for w in wls if w.get("accuracy_enn_no_worse") and not w["accuracy_enn_no_worse"]["passed"]]
     s["accuracy_enn_worse_than_inductor"] = worse
-    s["eager_self_check_failed"] = [label(w) for w in wls if not w.get("eager_self_check", {}).get("passed", True)]
+    s["eager_self_check_failed"] = [label(w) for w in wls if w.get("eager_self_check", {}).get("passed", True) is False]
     s["goals"] = _goals(result, timed, s)
     return s
 

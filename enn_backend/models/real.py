@@ -104,14 +104,15 @@ def build_hf(device: torch.device, *, family: str, impl: str, batch: int, seq: i
 
 
 def build_timm(device: torch.device, *, arch: str, batch: int, img: int, n_classes: int, **kwargs: Any) -> ZooEntry:
+    """``timm.create_model(arch, pretrained=False, ...)``; ``kwargs`` go to it (a ViT's ``img_size`` must be ``img``)."""
     import timm
 
-    model = timm.create_model(arch, pretrained=False, num_classes=n_classes, img_size=img, **kwargs) if "vit" in arch \
-        else timm.create_model(arch, pretrained=False, num_classes=n_classes, **kwargs)
+    model = timm.create_model(arch, pretrained=False, num_classes=n_classes, **kwargs)
     return ZooEntry(model.to(device), image_batch(device, batch, img, n_classes), class_loss)
 
 
 def build_torchvision(device: torch.device, *, arch: str, batch: int, img: int, n_classes: int) -> ZooEntry:
+    """``torchvision.models.<arch>(weights=None)``."""
     import torchvision
 
     model = getattr(torchvision.models, arch)(weights=None, num_classes=n_classes)
@@ -194,7 +195,7 @@ def real_specs() -> list[ModelSpec]:
     vision = [
         ModelSpec("timm_vit_small", "timm vit_small_patch16_224, 2 blocks, random init",
                  lambda device, **c: build_timm(device, arch="vit_small_patch16_224", **c),
-                 {"cpu-small": dict(batch=2, img=32, n_classes=10, depth=2, patch_size=8),
+                 {"cpu-small": dict(batch=2, img=32, img_size=32, n_classes=10, depth=2, patch_size=8),
                   "gpu-real": dict(batch=128, img=224, n_classes=1000, depth=2)}, requires=("timm",)),
         ModelSpec("timm_resnet18", "timm resnet18, random init",
                  lambda device, **c: build_timm(device, arch="resnet18", **c),
