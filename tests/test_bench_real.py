@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
 
 from enn_backend import models
-from enn_backend.bench import cli, markdown, runner, summary
+from enn_backend.bench import cli, markdown, plots, runner, summary
 from enn_backend.models.common import ModelSpec
 
 pytest.importorskip("transformers")
 
-VISION = ("timm_vit_small", "timm_resnet18", "tv_resnet18")
+VISION = ("timm_vit_small", "tv_resnet18")
 
 
 # ------------------------------------------------------------------ the models and their batches
@@ -195,3 +196,10 @@ def test_real_cpu_preset_end_to_end(tmp_path, monkeypatch):
         assert f"| {fusions} |" in row
     assert "## Per workload: spread, enn's decisions, host and kernel time" in md
     assert all(f"{name} infer fp32 (" in md for name in VISION if models.unavailable(name))  # the Skipped line
+
+
+def test_host_kernel_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    files = plots.write_outputs(_fake(cuda=True), str(tmp_path), "real")
+    assert os.path.getsize(files["kernel vs wall time per step and backend"]) > 1000
+    assert "kernel vs wall time per step and backend" not in plots.write_outputs(_fake(cuda=False), str(tmp_path), "cpu")
