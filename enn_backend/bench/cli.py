@@ -60,7 +60,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpu": dict(device="cuda", size="gpu-real", models=GPU_MODELS, modes=["train", "infer"], dtypes=["bf16"],
                 backends=["eager", "inductor", "enn"], rounds=15, rep_ms=40.0, budget_s=380.0, warm_compile=False),
     "real": dict(REAL_PRESET, device="cuda", size="gpu-real", dtypes=["bf16"], rounds=5, rep_ms=25.0, budget_s=330.0),
-    "real-cpu": dict(REAL_PRESET, device="cpu", size="cpu-small", dtypes=["fp32"], rounds=3, sample_s=0.02, budget_s=None,
+    "real-cpu": dict(REAL_PRESET, device="cpu", size="cpu-small", dtypes=["fp32"], rounds=5, sample_s=0.1, budget_s=None,
                      threads=1),
 }
 
