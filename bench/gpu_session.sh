@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install enn (no network there), then run the named stages.
-#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision tests hfguard bench demo)
+#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision tests hfguard bench real demo)
 # Each stage's output goes to $OUT/<stage>.log and its JSON to $OUT.
 set -u
 export PYTHONUNBUFFERED=1
@@ -18,6 +18,9 @@ for stage in "$@"; do
     tests)     python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/ ;;
     hfguard)   python3 bench/gpu_hf_guard.py ;;
     bench)     python3 -m enn_backend bench --preset gpu --out "$OUT/bench" ;;
+    # third-party models (transformers, timm, torchvision); its own budget keeps it under 7 minutes, the
+    # timeout (SIGINT) backs that up: results are rewritten after every workload, so a cut run keeps them
+    real)      timeout -s INT -k 15 390 python3 -m enn_backend bench --preset real --out "$OUT/real" ;;
     demo)      python3 -m enn_backend demo ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee "$OUT/$stage.log" | tail -40

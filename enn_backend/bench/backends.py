@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections import Counter
 from importlib.metadata import entry_points
 from typing import Any, Callable, Iterator
 
@@ -112,4 +113,5 @@ def enn_summary(units: set[str]) -> dict[str, Any]:
         "graphs": [g.id for g in graphs],
         "pinned": sum(len(g.pinned) for g in graphs),
         "kernel_choices": [c for g in graphs for c in g.kernel_choices][:20],
+        "kernel_choice_counts": dict(Counter(str(c.get("choice", "?")) for g in graphs for c in g.kernel_choices)),
     }

@@ -20,6 +20,8 @@ def _acc_cell(be: dict[str, Any]) -> str:
     a = be.get("accuracy")
     if not a:
         return "-"
+    if a.get("passed") is None:
+        return "n/a"
     if not a.get("passed"):
         return "FAIL"
     if a.get("reliable") is False:
@@ -33,6 +35,9 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
     cfg = result.get("config", {})
     lines = [f"# enn benchmark: {result.get('preset', 'custom')} preset on {dev.get('gpu') or dev.get('cpu') or dev.get('device')}", ""]
     lines += ["Produced by:", "", "```", result.get("command", "?"), "```", ""]
+    if result.get("partial"):
+        lines += [f"**Partial result**: written after workload {len(result.get('workloads', []))}, while the run was "
+                  "still going; a run cut short leaves this file as its last record.", ""]
     lines.append(
         f"torch {dev.get('torch')}, triton {dev.get('triton') or '-'}, python {dev.get('python')}, "
         f"{dev.get('cpu_count')} CPU cores ({dev.get('torch_threads', '?')} torch threads), device `{dev.get('device')}`"
@@ -71,7 +76,9 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
                  f"({_f(c.get('cold_total_enn_s'), '.1f')} s vs {_f(c.get('cold_total_inductor_s'), '.1f')} s), "
                  f"geomean {_f(c.get('cold_geomean_ratio'))}, worst {_f(c.get('cold_worst_ratio'))}; warm geomean {_f(c.get('warm_geomean_ratio'))}.")
     acc = s.get("accuracy", {})
-    lines.append("Accuracy verdicts (pass/fail): " + ", ".join(f"{b} {a['pass']}/{a['fail']}" for b, a in acc.items())
+    lines.append("Accuracy verdicts (pass/fail): " + ", ".join(f"{b} {a['pass']}/{a['fail']}"
+                                                             + (f" ({a['not_judged']} not judged)" if a.get("not_judged") else "")
+                                                             for b, a in acc.items())
                  + (f". enn worse than inductor on: {', '.join(s['accuracy_enn_worse_than_inductor'])}" if s.get("accuracy_enn_worse_than_inductor") else ". enn is no worse than inductor on any workload")
                  + (f". Eager disagrees with itself on: {', '.join(s['eager_self_check_failed'])}" if s.get("eager_self_check_failed") else "") + ".")
     recompiled = [f"{label(w)} ({w['compiled_during_timing']} graphs)" for w in result.get("workloads", []) if w.get("compiled_during_timing")]
@@ -112,6 +119,7 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
         fb = enn.get("fallbacks") or {}
         row.append(", ".join(f"{k}={v}" for k, v in sorted(fb.items())) or "0")
         lines.append("| " + " | ".join(row) + " |")
+    lines += host_kernel_table(result)
     # accuracy failures in words
     fails = [(w, b) for w in result.get("workloads", []) for b in compiled
              if (backend_of(w, b).get("accuracy") or {}).get("passed") is False]
@@ -145,6 +153,52 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
     if files:
         lines += ["", "## Files", ""] + [f"- `{os.path.basename(v)}`: {k}" for k, v in files.items()]
     return "\n".join(lines) + "\n"
+
+
+def _spread(be: dict[str, Any]) -> str:
+    """``median ms (±half the range over rounds, in % of the median)``."""
+    xs, t = be.get("samples_ms") or [], be.get("time_ms")
+    if not be.get("ok", False) or not xs or not t or not math.isfinite(t):
+        return "-"
+    return f"{t:.3f} ±{(max(xs) - min(xs)) / 2 / t * 100:.0f}%"
+
+
+def host_kernel_table(result: dict[str, Any]) -> list[str]:
+    """The real-model presets' table: step times with their spread, enn's fusions, kernel choices and
+    fallbacks, and per backend the kernel time within the wall time of a step (CUDA) or the wall
+    (host) time alone (CPU). Empty for results measured without ``host_vs_kernel``."""
+    wls = [w for w in result.get("workloads", []) if "host_vs_kernel" in w]
+    if not wls:
+        return []
+    cuda = str(result.get("device", {}).get("device", "")).startswith("cuda")
+    backends = [b for b in result.get("config", {}).get("backends", []) if any(b in w.get("backends", {}) for w in wls)]
+    lines = ["", "## Per workload: spread, enn's decisions, host and kernel time", "",
+             "Step time: median over rounds ±half its range. "
+             + ("Kernel / wall: the device's kernel time of one step (torch.profiler) within the step's wall time; "
+                "idle = the share of the wall time the device had no kernel to run (host-bound)."
+                if cuda else "On the CPU every step is host time: the wall time is the step time above."), ""]
+    head = ["workload"] + [f"{b} ms" for b in backends] + ["enn / inductor", "enn fusions", "enn kernel choices", "enn fallbacks"]
+    if cuda:
+        head += [f"{b} kernel / wall ms (idle)" for b in backends]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for w in wls:
+        enn = backend_of(w, "enn").get("enn") or {}
+        row = [label(w)] + [_spread(backend_of(w, b)) for b in backends] + [_f(w.get("speedup_enn_vs_inductor"))]
+        for key in ("fusions", "kernel_choice_counts", "fallbacks"):
+            row.append(", ".join(f"{k}={v}" for k, v in sorted((enn.get(key) or {}).items())) or "none")
+        if cuda:
+            hk = w["host_vs_kernel"]
+            for b in backends:
+                x = hk.get(b) or {}
+                row.append(f"{_f(x.get('kernel_ms'))} / {_f(x.get('wall_ms'))} ({_f(x.get('idle_share'), '.0%')})"
+                           if x.get("kernel_ms") is not None else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    judged_not = [(w, b) for w in wls for b in backends
+                  if (backend_of(w, b).get("accuracy") or {}).get("passed", False) is None]
+    if judged_not:
+        lines += ["", "Accuracy not judged: " + "; ".join(
+            sorted({f"{label(w)} ({(backend_of(w, b).get('accuracy') or {}).get('reason')})" for w, b in judged_not})) + "."]
+    return lines
 
 
 def call_differences(profile: dict[str, Any]) -> list[tuple[str, float]]:

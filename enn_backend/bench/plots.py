@@ -61,6 +61,23 @@ def write_plots(result: dict[str, Any], out_dir: str, stem: str) -> tuple[dict[s
         ax.invert_yaxis()
         ax.legend()
         finish(fig, ax, "compile", "compile time per workload and backend")
+    split = [w for w in wls if any((x or {}).get("kernel_ms") for x in (w.get("host_vs_kernel") or {}).values()
+                                   if isinstance(x, dict))]
+    if split:
+        names = [b for b in result.get("config", {}).get("backends", []) if any(b in w["host_vs_kernel"] for w in split)]
+        fig, ax = plt.subplots(figsize=(10, 0.35 * len(split) * len(names) / 2 + 1.5))
+        h = 0.8 / len(names)
+        for i, b in enumerate(names):
+            ys = [j + i * h for j in range(len(split))]
+            cells = [w["host_vs_kernel"].get(b) or {} for w in split]
+            ax.barh(ys, [c.get("wall_ms") or 0 for c in cells], height=h, alpha=0.35, color=f"C{i}")
+            ax.barh(ys, [c.get("kernel_ms") or 0 for c in cells], height=h, color=f"C{i}", label=b)
+        ax.set_yticks([j + 0.4 - h / 2 for j in range(len(split))], [label(w) for w in split])
+        ax.set_xlabel("ms per step: solid = device kernel time, pale = wall time (the gap: device idle, host-bound)")
+        ax.set_title(f"kernel vs wall time per step ({title_dev})")
+        ax.invert_yaxis()
+        ax.legend()
+        finish(fig, ax, "host_kernel", "kernel vs wall time per step and backend")
     note = ""
     mem_backends = [b for b in result.get("config", {}).get("backends", []) if any(backend_of(w, b).get("peak_mem_mb") for w in wls)]
     if mem_backends:
@@ -86,11 +103,11 @@ def device_folder(result: dict[str, Any]) -> str:
     return "cpu"
 
 
-def write_outputs(result: dict[str, Any], out_dir: str, stem: str | None = None) -> dict[str, str]:
-    """``<stem>.json``, ``<stem>.md`` and PNG plots under ``out_dir``; returns what was written."""
+def write_outputs(result: dict[str, Any], out_dir: str, stem: str | None = None, plots: bool = True) -> dict[str, str]:
+    """``<stem>.json``, ``<stem>.md`` and (``plots``) PNG plots under ``out_dir``; returns what was written."""
     os.makedirs(out_dir, exist_ok=True)
     stem = stem or result.get("preset", "custom")
-    files, note = write_plots(result, out_dir, stem)
+    files, note = write_plots(result, out_dir, stem) if plots else ({}, "")
     result["plot_note"] = note or None  # replaced, not added to, when a saved result is re-rendered
     if note:
         print(f"enn bench: {note}")

@@ -16,7 +16,14 @@ For one *workload* (model x mode x dtype) the runner
 5. the *warm* compile time: Dynamo is reset, in-memory caches are dropped and each
    backend compiles again from its now-filled disk cache (a second process start);
 6. when enn is slower than inductor on the workload, a short profile of both
-   (top operators by self time) is kept as evidence.
+   (top operators by self time) is kept as evidence;
+7. with ``host_vs_kernel`` (the real-model presets), every backend's step is split into kernel
+   time (CUDA: the sum of device kernel time per step, from ``torch.profiler``) and its wall
+   time (the timed step); on the CPU only the wall (host) time is reported.
+
+A model whose package does not import (:func:`enn_backend.models.unavailable`) is skipped with
+the reason in ``result["skipped"]``; a model trained with dropout on (``stochastic``) gets no
+accuracy verdict in training (every backend draws its own random stream), with the reason.
 
 What one training or inference step is: :mod:`.steps`; the backends and their compiles:
 :mod:`.backends`.
@@ -68,6 +75,7 @@ class BenchConfig:
     budget_s: float | None = None  # stop starting new workloads after this long
     threads: int | None = None  # CPU: torch.set_num_threads for the run (None: torch's default)
     warm_up: bool = True  # one throwaway compile first, so no backend pays the compiler's start-up
+    host_vs_kernel: bool = False  # per backend: kernel vs wall time of a step (profiled on CUDA)
     preset: str = "custom"
     command: str = ""
 
@@ -101,6 +109,7 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the last workload's blocks must not count in this one's peak memory
     base, make_inputs, loss_fn = models.build(name, cfg.size, device=device, seed=0)
+    stochastic = models.spec(name).stochastic if mode == "train" else ""
     base.train(mode == "train")
     batch = make_inputs(0)
     wl: dict[str, Any] = {
@@ -117,7 +126,8 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
         m = copy.deepcopy(base)
         eager_runs.append(result_step(m, m, batch, loss_fn, mode, amp))
     agrees, why = accuracy.eager_self_check(eager_runs[0], eager_runs[1], tol=tol)
-    wl["eager_self_check"] = {"passed": agrees, "detail": why}
+    wl["eager_self_check"] = {"passed": None, "detail": f"not applicable: the model {stochastic}"} if stochastic \
+        else {"passed": agrees, "detail": why}
 
     # ---- per backend: model copy, optimizer, cold compile (= the accuracy sample)
     names = [b for b in cfg.backends if b in BACKENDS]
@@ -153,9 +163,12 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
                 res.graphs = graph_count() - g0
                 if kwargs["backend"] == "enn":
                     enn_units_of[b] = enn_units() - units0
-                v = accuracy.compare(out, eager_runs[0], ref, tol=tol, dtype=dtype)
-                verdicts[b] = v
-                res.accuracy = {**v.to_dict(), "reliable": agrees}
+                if stochastic:
+                    res.accuracy = {"passed": None, "reason": f"not judged: the model {stochastic}"}
+                else:
+                    v = accuracy.compare(out, eager_runs[0], ref, tol=tol, dtype=dtype)
+                    verdicts[b] = v
+                    res.accuracy = {**v.to_dict(), "reliable": agrees}
             opt = torch.optim.AdamW(m.parameters(), lr=1e-4) if mode == "train" else None
             steps[b] = timed_step(fn, opt, batch, loss_fn, mode, amp)
             kept[b] = m
@@ -200,6 +213,8 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
                 wl["profile"] = profile({"inductor": live["inductor"], "enn": live["enn"]}, device)
             except Exception as exc:  # noqa: BLE001
                 wl["profile_error"] = _format_exc(exc)
+    if cfg.host_vs_kernel:
+        wl["host_vs_kernel"] = host_vs_kernel(live, results, device)
     if "eager" in results and ind and ind.ok and results["eager"].ok and ind.samples_ms and results["eager"].samples_ms:
         wl["speedup_inductor_vs_eager"] = paired_ratio(results["eager"].samples_ms, ind.samples_ms)
     del steps, live, kept
@@ -228,6 +243,24 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
     return wl
 
 
+def host_vs_kernel(live: dict[str, Callable[[], Any]], results: dict[str, BackendResult], device: str) -> dict[str, Any]:
+    """Per backend: the step's wall time (its timed median) and, on CUDA, the device kernel time of
+    one step (torch.profiler) and the share of the wall time the device spent idle."""
+    timed = {b: fn for b, fn in live.items() if results[b].samples_ms}
+    out: dict[str, Any] = {b: {"wall_ms": results[b].time_ms, "kernel_ms": None, "idle_share": None} for b in timed}
+    if torch.device(device).type != "cuda":
+        return out
+    try:
+        prof = profile(timed, device, top=5)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": _format_exc(exc), **out}
+    for b, p in prof.items():
+        k = p["total_ms_per_step"]
+        out[b].update(kernel_ms=k, idle_share=max(0.0, 1.0 - k / out[b]["wall_ms"]) if out[b]["wall_ms"] > 0 else None,
+                      top=p["top"])
+    return out
+
+
 def _jsonable(cfg: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
 
@@ -239,6 +272,8 @@ class Progress:
     def __init__(self, total: int) -> None:
         self.total, self.n = total, 0
         try:
+            if not sys.stderr.isatty():  # a log file gets one timestamped line per step, not a redrawn bar
+                raise ImportError
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="workload", dynamic_ncols=True, file=sys.stderr)
@@ -249,7 +284,7 @@ class Progress:
         if self.bar is not None:
             self.bar.set_description(desc)
         else:
-            print(f"[{self.n + 1}/{self.total}] {desc} ...", file=sys.stderr, flush=True)
+            print(f"{time.strftime('%H:%M:%S')} [{self.n + 1}/{self.total}] {desc} ...", file=sys.stderr, flush=True)
 
     def done(self, note: str = "") -> None:
         self.n += 1
@@ -257,7 +292,7 @@ class Progress:
             self.bar.set_postfix_str(note)
             self.bar.update(1)
         elif note:
-            print(f"    {note}", file=sys.stderr, flush=True)
+            print(f"{time.strftime('%H:%M:%S')}     {note}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -283,8 +318,9 @@ def device_info(device: str) -> dict[str, Any]:
     return info
 
 
-def run_suite(cfg: BenchConfig) -> dict[str, Any]:
-    """Every (model, mode, dtype) workload of ``cfg``; returns the result dict (see :mod:`.summary`)."""
+def run_suite(cfg: BenchConfig, on_workload: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every (model, mode, dtype) workload of ``cfg``; returns the result dict (see :mod:`.summary`).
+    ``on_workload(result)`` is called after each workload with the result so far (partial results)."""
     t_start = time.perf_counter()
     cache_root = tempfile.mkdtemp(prefix="enn-bench-")
     old_threads = torch.get_num_threads()
@@ -311,7 +347,7 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 warm_up_compiler(cfg.device, cache_root)
                 result["compiler_warm_up_s"] = time.perf_counter() - t0
-            _run_workloads(cfg, result, cache_root, t_start)
+            _run_workloads(cfg, result, cache_root, t_start, on_workload)
     finally:
         torch.set_num_threads(old_threads)
         shutil.rmtree(cache_root, ignore_errors=True)
@@ -320,9 +356,12 @@ def run_suite(cfg: BenchConfig) -> dict[str, Any]:
     return result
 
 
-def _run_workloads(cfg: BenchConfig, result: dict[str, Any], cache_root: str, t_start: float) -> None:
-    """Run the workloads of ``cfg`` into ``result``; past the time budget the rest are skipped."""
-    work = [(m, mode, dt) for m in cfg.models for dt in cfg.dtypes for mode in cfg.modes]
+def _run_workloads(cfg: BenchConfig, result: dict[str, Any], cache_root: str, t_start: float,
+                   on_workload: Callable[[dict[str, Any]], None] | None) -> None:
+    """Run the workloads of ``cfg`` into ``result``; past the time budget the rest are skipped, and so
+    are models whose packages do not import."""
+    work = [(m, mode, dt) for m in cfg.models for dt in cfg.dtypes for mode in cfg.modes if mode in models.spec(m).modes]
+    missing = {m: models.unavailable(m) for m in cfg.models}
     progress = Progress(len(work))
     try:
         # Which compiled backend compiles first alternates within each (mode, dtype) group: the
@@ -333,6 +372,10 @@ def _run_workloads(cfg: BenchConfig, result: dict[str, Any], cache_root: str, t_
             if cfg.budget_s is not None and time.perf_counter() - t_start > cfg.budget_s:
                 result["skipped"].append({"model": model, "mode": mode, "dtype": dt, "why": f"time budget {cfg.budget_s:.0f}s spent"})
                 progress.done("skipped (budget)")
+                continue
+            if missing[model]:
+                result["skipped"].append({"model": model, "mode": mode, "dtype": dt, "why": missing[model]})
+                progress.done(f"skipped {model} {mode}: {missing[model]}")
                 continue
             progress.start(f"{model} {mode} {dt}")
             t0 = time.perf_counter()
@@ -346,6 +389,8 @@ def _run_workloads(cfg: BenchConfig, result: dict[str, Any], cache_root: str, t_
             wl["wall_s"] = time.perf_counter() - t0
             result["workloads"].append(wl)
             sp = wl.get("speedup_enn_vs_inductor")
-            progress.done(f"enn/inductor {sp:.2f}x" if sp else wl.get("error", "no ratio"))
+            progress.done((f"enn/inductor {sp:.2f}x" if sp else wl.get("error", "no ratio")) + f" ({wl['wall_s']:.0f} s)")
+            if on_workload is not None:
+                on_workload(result)
     finally:
         progress.close()

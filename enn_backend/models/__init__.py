@@ -19,32 +19,30 @@ Every model has two sizes:
     loss = loss_fn(model(*batch.args), batch.target)
 
 Dropout is 0 everywhere, so a model is a deterministic function of its inputs.
+
+Next to the zoo, :data:`REAL` holds third-party models as their users run them (Hugging Face
+``transformers``, ``timm``, ``torchvision``; :mod:`.real`), built the same way: ``build("hf_llama_eager")``.
+A model whose package is missing is :func:`unavailable` (with the reason) instead of failing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
 from typing import Any, Callable
 
 import torch
 
 from .classifiers import build_convnet, build_mlp, build_vit
-from .common import Batch, ZooEntry
+from .common import Batch, ModelSpec, ZooEntry
 from .decoders import build_alibi, build_llama
 from .encoders import build_bert, build_t5
 from .gpt import build_gpt
+from .real import real_specs
 
-__all__ = ["Batch", "MODELS", "ModelSpec", "SIZES", "ZooEntry", "build", "config", "gpt_small", "names"]
+__all__ = ["Batch", "MODELS", "ModelSpec", "REAL", "SIZES", "ZooEntry", "build", "config", "gpt_small", "names", "spec",
+           "unavailable"]
 
 SIZES = ("cpu-small", "gpu-real")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    description: str
-    builder: Callable[..., ZooEntry]
-    sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def _gpt(impl: str) -> Callable[..., ZooEntry]:
@@ -107,17 +105,40 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-def names() -> list[str]:
-    return list(MODELS)
+REAL: dict[str, ModelSpec] = {s.name: s for s in real_specs()}
+
+
+def names(suite: str = "zoo") -> list[str]:
+    """The models of ``suite``: "zoo" (plain PyTorch), "real" (third-party) or "all"."""
+    suites = {"zoo": list(MODELS), "real": list(REAL), "all": list(MODELS) + list(REAL)}
+    if suite not in suites:
+        raise KeyError(f"unknown suite {suite!r}; known: {', '.join(suites)}")
+    return suites[suite]
+
+
+def spec(name: str) -> ModelSpec:
+    """The spec of zoo or third-party model ``name``."""
+    found = MODELS.get(name) or REAL.get(name)
+    if found is None:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(names('all'))}")
+    return found
+
+
+def unavailable(name: str) -> str:
+    """Why model ``name`` cannot be built here (a package it needs does not import); "" if it can."""
+    for package in spec(name).requires:
+        try:
+            importlib.import_module(package)
+        except Exception as exc:  # noqa: BLE001 - an installed package can fail to import (e.g. built for another torch)
+            return f"{package} does not import: {type(exc).__name__}: {str(exc).strip()[:200]}"
+    return ""
 
 
 def config(name: str, size: str = "cpu-small", **overrides: Any) -> dict[str, Any]:
     """The constructor arguments of model ``name`` at ``size`` (plus overrides)."""
-    if name not in MODELS:
-        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(MODELS)}")
     if size not in SIZES:
         raise KeyError(f"unknown size {size!r}; known: {', '.join(SIZES)}")
-    cfg = dict(MODELS[name].sizes[size])
+    cfg = dict(spec(name).sizes[size])
     cfg.update(overrides)
     return cfg
 
@@ -129,7 +150,7 @@ def build(name: str, size: str = "cpu-small", *, device: str | torch.device = "c
     device = torch.device(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        entry = MODELS[name].builder(device, **cfg)
+        entry = spec(name).builder(device, **cfg)
     return entry
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -20,6 +21,20 @@ class ZooEntry(NamedTuple):
     model: nn.Module
     make_inputs: Callable[..., Batch]  # make_inputs(seed=0) -> Batch on the model's device
     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model of the zoo or of the third-party suite: how to build it, and its sizes by name."""
+
+    name: str
+    description: str
+    builder: Callable[..., ZooEntry]
+    sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    requires: tuple[str, ...] = ()  # packages the builder imports (third-party models)
+    modes: tuple[str, ...] = ("train", "infer")  # the steps the benchmark runs it in
+    stochastic: str = ""  # why its training step is random (dropout on), so no accuracy verdict applies; "" if not
+
 
 def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Next-token / per-token cross entropy, as in nanoGPT."""
