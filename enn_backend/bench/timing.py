@@ -151,6 +151,8 @@ def profile(fns: dict[str, Callable[[], Any]], device: str, steps: int = 0, top:
             calls[ev.key[:90]] = ev.count / steps
             if cuda and ev.device_type != torch.autograd.DeviceType.CUDA:
                 continue
+            if getattr(ev, "is_user_annotation", False):
+                continue  # a record_function range drawn on the GPU timeline (e.g. the optimizer step): not a kernel
             dev_t = getattr(ev, "self_device_time_total", None)
             if dev_t is None:
                 dev_t = getattr(ev, "self_cuda_time_total", 0.0)
