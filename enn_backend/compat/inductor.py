@@ -12,11 +12,11 @@ import torch
 import torch.fx
 
 from torch._inductor import config as inductor_config
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: F401
+from torch._inductor.decomposition import select_decomp_table  # noqa: F401
 from torch._dynamo.utils import counters as dynamo_counters
-from torch._inductor.fx_passes.post_grad import remove_noop_ops
-from torch._inductor.pattern_matcher import stable_topological_sort
+from torch._inductor.fx_passes.post_grad import remove_noop_ops  # noqa: F401
+from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
 
 try:  # 2.6+: passes must be CustomGraphPass objects with a uuid() or the FX cache is bypassed
     from torch._inductor.custom_graph_pass import CustomGraphPass
