@@ -212,7 +212,7 @@ def finite_bias(n: Any, depth: int = 0) -> bool:
 def may_saturate(n: Any, depth: int = 0) -> bool:
     """Whether a (provably finite) bias may hold values at or below ``SATURATED`` -- HF's
     ``finfo.min`` masks do -- so that a row whose every key is masked is *saturated*: eager's
-    softmax is uniform there (see custom_ops/attention.py ``saturated_counts``). Looks for a
+    softmax is uniform there (see custom_ops/attention/masks.py ``saturated_counts``). Looks for a
     constant of that size in the bias's provenance."""
     if isinstance(n, (int, float)) and not isinstance(n, bool):
         return abs(n) >= -SATURATED
