@@ -186,20 +186,20 @@ def _reductions(graph, *ops) -> list[tuple[torch.dtype, torch.dtype]]:
 def test_pass_promotes_fp16_sum_and_can_be_switched_off(monkeypatch):
     f16, f32 = torch.float16, torch.float32
     x = torch.ones(2, 100_000, dtype=f16)
-    y = torch.compile(_fp16_mean_of_sum, backend="enn")(x)
-    assert torch.isfinite(y).all() and torch.allclose(y.float(), torch.full((2,), 100.0))
-    assert [p["rule"] for p in promotions()] == ["reduction"]
     run = run_passes(_fp16_mean_of_sum, (x,), ["precision"], training=False)
     assert _reductions(run.before, aten.sum) == [(f16, f16)]
     assert _reductions(run.after, aten.sum) == [(f32, f32)]  # an fp32 cast of the input feeds the sum
     assert run.output.dtype == f16 and torch.allclose(run.output.float(), torch.full((2,), 100.0))
-    # off by option ...
-    torch._dynamo.reset()
     enn_backend.reset()
-    y = torch.compile(_fp16_mean_of_sum, backend="enn", options={"precision": False})(x)
-    assert not torch.isfinite(y).all()
+    y = torch.compile(_fp16_mean_of_sum, backend="enn")(x)
+    assert torch.isfinite(y).all() and torch.allclose(y.float(), torch.full((2,), 100.0))
+    assert [p["rule"] for p in promotions()] == ["reduction"]
+    # off by option ...
     run = run_passes(_fp16_mean_of_sum, (x,), ["precision"], training=False, options={"precision": False})
     assert _reductions(run.after, aten.sum) == [(f16, f16)]
+    torch._dynamo.reset()
+    y = torch.compile(_fp16_mean_of_sum, backend="enn", options={"precision": False})(x)
+    assert not torch.isfinite(y).all()
     # ... and by environment
     monkeypatch.setenv("ENN_PRECISION", "0")
     run = run_passes(_fp16_mean_of_sum, (x,), ["precision"], training=False)
@@ -234,9 +234,16 @@ def _matmul_dtypes(graph) -> list[torch.dtype]:
 def test_fp32_tail_auto_on_bf16_inference():
     torch.manual_seed(0)
     m, x = Head().eval(), torch.randn(256, 64)
+    bf16, f32 = torch.bfloat16, torch.float32
     with torch.no_grad():
         ref = m.double()(x.double())
         m.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            on = run_passes(m, (x,), ["fp32_tail"], training=False, options={"fp32_tail": "auto"})
+            off = run_passes(m, (x,), ["fp32_tail"], training=False)
+        assert _matmul_dtypes(on.before) == [bf16, bf16]
+        assert _matmul_dtypes(on.after) == [bf16, f32]  # the head's GEMM (after the final norm) in fp32
+        assert _matmul_dtypes(off.after) == [bf16, bf16]
         errs = {}
         # "auto" is asked for explicitly: the shipped default is "off" (see Options.fp32_tail)
         for be, opts in (("inductor", None), ("enn", {"fp32_tail": "auto"}), ("enn-off", {})):
@@ -250,27 +257,20 @@ def test_fp32_tail_auto_on_bf16_inference():
                 assert y.dtype == torch.float32  # the tail returns fp32 logits
             if be == "enn-off":
                 assert y.dtype == torch.bfloat16
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            on = run_passes(m, (x,), ["fp32_tail"], training=False, options={"fp32_tail": "auto"})
-            off = run_passes(m, (x,), ["fp32_tail"], training=False)
     print("fp32 tail logits rel err:", errs)
     assert errs["enn"] < errs["inductor"] and errs["enn"] < errs["enn-off"]
-    bf16, f32 = torch.bfloat16, torch.float32
-    assert _matmul_dtypes(on.before) == [bf16, bf16]
-    assert _matmul_dtypes(on.after) == [bf16, f32]  # the head's GEMM (after the final norm) in fp32
-    assert _matmul_dtypes(off.after) == [bf16, bf16]
 
 
 def test_fp32_tail_skipped_for_bf16_params():
     m = Head().bfloat16().eval()
     with torch.no_grad():
+        run = run_passes(m, (torch.randn(8, 64).bfloat16(),), ["fp32_tail"], training=False,
+                         options={"fp32_tail": "auto"})
+        assert _matmul_dtypes(run.after) == _matmul_dtypes(run.before) == [torch.bfloat16] * 2
+        enn_backend.reset()
         y = torch.compile(m, backend="enn", options={"fp32_tail": "auto"})(torch.randn(8, 64).bfloat16())
     assert y.dtype == torch.bfloat16
     assert len(fallbacks(FallbackKind.PRECISION_SKIPPED)) == 1
-    with torch.no_grad():
-        run = run_passes(m, (torch.randn(8, 64).bfloat16(),), ["fp32_tail"], training=False,
-                         options={"fp32_tail": "auto"})
-    assert _matmul_dtypes(run.after) == _matmul_dtypes(run.before) == [torch.bfloat16] * 2
 
 
 # ------------------------------------------------------------------ master-dtype retry (the guard)
