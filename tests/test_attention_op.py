@@ -1,4 +1,4 @@
-"""``enn::attention`` and the helpers its kernels share (custom_ops/attention.py): opcheck, the
+"""``enn::attention`` and the helpers its kernels share (custom_ops/attention/): opcheck, the
 reference math, saturated rows, the kernel bias, runtime mask structure, and the safe paths the
 guard runs for the SDPA ops the pass emits. CPU, tiny shapes (one CUDA kernel check)."""
 

@@ -18,7 +18,7 @@ from attention_cases import (ALIBI, BACKEND, BIAS, CAUSAL, CPU_FLASH, CPU_FLASH_
                              softmax_over_queries, the, three_d_causal, untouched)
 from enn_backend.custom_ops.attention import SATURATED_FLOOR
 from enn_backend.custom_ops.pinned import EMITTED
-from enn_backend.passes.attention import masks
+from enn_backend.passes.attention import provenance
 from pass_harness import assert_ops, count_ops, find_ops, run_passes
 
 
@@ -287,13 +287,13 @@ def test_finite_bias_provenance():
     f = node(torch.ops.prims.convert_element_type.default, (mask, torch.float32), torch.ones(2, 8))
     inv = node(aten.rsub.Scalar, (f, 1.0), torch.ones(2, 8))
     hf = node(aten.mul.Tensor, (inv, torch.finfo(torch.float32).min), torch.ones(2, 8))
-    assert masks.finite_bias(hf)  # HF's (1 - mask) * finfo.min
-    assert masks.may_saturate(hf)  # ... which can mask a whole row at finfo.min
+    assert provenance.finite_bias(hf)  # HF's (1 - mask) * finfo.min
+    assert provenance.may_saturate(hf)  # ... which can mask a whole row at finfo.min
     old_style = node(aten.mul.Tensor, (inv, -10000.0), torch.ones(2, 8))
-    assert masks.finite_bias(old_style) and not masks.may_saturate(old_style)
-    assert not masks.finite_bias(node(aten.mul.Tensor, (inv, float("-inf")), torch.ones(2, 8)))
+    assert provenance.finite_bias(old_style) and not provenance.may_saturate(old_style)
+    assert not provenance.finite_bias(node(aten.mul.Tensor, (inv, float("-inf")), torch.ones(2, 8)))
     learned = g.placeholder("bias")
     learned.meta["val"] = torch.ones(2, 8)
-    assert not masks.finite_bias(learned)  # a user tensor may hold -inf
-    assert not masks.finite_bias(node(aten.mul.Tensor, (learned, 2.0), torch.ones(2, 8)))  # still unknown
-    assert not masks.finite_bias(node(aten.add.Tensor, (hf, hf), torch.ones(2, 8)))  # finfo.min + finfo.min = -inf
+    assert not provenance.finite_bias(learned)  # a user tensor may hold -inf
+    assert not provenance.finite_bias(node(aten.mul.Tensor, (learned, 2.0), torch.ones(2, 8)))  # still unknown
+    assert not provenance.finite_bias(node(aten.add.Tensor, (hf, hf), torch.ones(2, 8)))  # finfo.min + finfo.min = -inf

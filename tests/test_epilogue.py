@@ -17,6 +17,11 @@ import enn_backend
 from enn_backend.custom_ops import gemm as G
 from enn_backend.passes import epilogue as E
 from enn_backend.report import FallbackKind
+from pass_harness import assert_ops, count_ops, find_ops, run_passes
+
+aten, enn = torch.ops.aten, torch.ops.enn
+# what the activations decompose to in the graph the pass sees (gelu: erf, gelu_tanh: tanh, silu: exp)
+ACT_OPS = (aten.relu, aten.erf, aten.tanh, aten.exp)
 
 ACTS = {
     "relu": F.relu,
@@ -42,6 +47,18 @@ class MLP(nn.Module):
 
 def _compile(model, **options):
     return torch.compile(model, backend="enn", options={"guard": "off", **options})
+
+
+def _epilogue(fn, inputs, training: bool, **options):
+    """The epilogue pass alone on ``fn``'s graph (tests/pass_harness.py); its rewrite checked against eager."""
+    run = run_passes(fn, inputs, ["epilogue"], training=training, options=options or None)
+    run.check_eager(atol=2e-2, rtol=2e-2)
+    return run
+
+
+def _fused_acts(graph) -> list[str]:
+    """The activation of each enn::gemm_bias_act in ``graph``."""
+    return sorted(n.args[3] for n in find_ops(graph, enn.gemm_bias_act))
 
 
 def _choices(kind: str | None = None) -> list[dict]:
@@ -165,10 +182,12 @@ def test_inference_bf16_all_activations(shape):
         ref = MLP().double()
         ref.load_state_dict(model.state_dict())
         ref64 = ref(x.double())
-    assert enn_backend.report().fusions().get("epilogue") == 4
-    fused = _choices("onednn")
-    assert sorted(c["act"] for c in fused) == sorted(ACTS)
     _close_to_fp64(got, eager, ref64)
+    run = _epilogue(model, (x,), training=False)
+    assert count_ops(run.before, aten.addmm) == 4
+    assert _fused_acts(run.after) == sorted(ACTS)
+    assert_ops(run.after, absent=[aten.addmm, aten.mm, *ACT_OPS])
+    assert [c["choice"] for c in run.choices] == ["onednn"] * 4
 
 
 def test_inference_fp32_tight(fp32_fused):
@@ -178,8 +197,10 @@ def test_inference_fp32_tight(fp32_fused):
     with torch.no_grad():
         got = _compile(model)(x)
         want = model(x)
-    assert enn_backend.report().fusions().get("epilogue") == 4
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    run = _epilogue(model, (x,), training=False)
+    assert _fused_acts(run.after) == sorted(ACTS)
+    assert_ops(run.after, absent=[aten.addmm, aten.mm, *ACT_OPS])
 
 
 def test_training_fp32_relu_fused_gelu_declined(fp32_fused):
@@ -195,14 +216,16 @@ def test_training_fp32_relu_fused_gelu_declined(fp32_fused):
     want.square().sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
-    # relu's backward reads the relu output: fused; gelu/gelu_tanh/silu's backward reads
-    # the pre-activation, which the fused kernel does not return: declined, with a reason
-    assert enn_backend.report().fusions().get("epilogue") == 1
-    assert [c["act"] for c in _choices("onednn")] == ["relu"]
-    declined = _choices("inductor")
-    assert sorted(c["act"] for c in declined) == ["gelu", "gelu_tanh", "silu"]
-    assert all("pre-activation" in c["reason"] for c in declined)
     assert not enn_backend.report().fallbacks  # not actionable: no PASS_SKIPPED noise
+    # relu's backward reads the relu output: fused; gelu/gelu_tanh/silu's backward reads
+    # the pre-activation, which the fused kernel does not return: their GEMMs stay
+    run = _epilogue(MLP(), (x,), training=True)
+    assert count_ops(run.before, aten.addmm) == 4
+    assert _fused_acts(run.after) == ["relu"]
+    assert count_ops(run.after, aten.addmm) == 3 and count_ops(run.after, aten.relu) == 0
+    assert_ops(run.after, present=[aten.erf, aten.tanh])  # gelu's and gelu_tanh's, as traced
+    declined = [c for c in run.choices if c["choice"] == "inductor"]
+    assert sorted(c["act"] for c in declined) == ["gelu", "gelu_tanh", "silu"]
 
 
 def test_training_bf16_relu_grads():
@@ -213,8 +236,10 @@ def test_training_bf16_relu_grads():
     x = torch.randn(8, 16, dtype=torch.bfloat16)
     got = _compile(model)(x)
     eager = model(x)
-    assert enn_backend.report().fusions().get("epilogue") == 2
     _close_to_fp64(got, eager, ref(x.double()))
+    run = _epilogue(model, (x,), training=True)
+    assert _fused_acts(run.after) == ["relu", "relu"]
+    assert_ops(run.after, absent=[aten.addmm, aten.relu])
     g = torch.randn_like(got)
     got.backward(g)
     grads = [p.grad.clone() for p in model.parameters()]
@@ -239,8 +264,11 @@ def test_handwritten_matmul_plus_bias_and_no_bias():
         eager = f(x)
         x64, w164, b164, w264 = (t.double() for t in (x, w1, b1, w2))
         ref64 = torch.relu(F.silu(x64 @ w164.t() + b164) @ w264.t())
-    assert enn_backend.report().fusions().get("epilogue") == 2
     _close_to_fp64(got, eager, ref64)
+    run = _epilogue(f, (x,), training=False)
+    assert count_ops(run.before, aten.mm) == 2  # x @ w.t() (+ b): mm and add, as written
+    assert _fused_acts(run.after) == ["relu", "silu"]
+    assert_ops(run.after, absent=[aten.addmm, aten.mm, *ACT_OPS])
 
 
 def test_near_misses_are_not_matched(caplog):
@@ -256,12 +284,15 @@ def test_near_misses_are_not_matched(caplog):
         return quick, out_fp32, F.gelu(y3), y3  # y3's pre-activation is also an output
 
     x = torch.randn(4, 16, dtype=torch.bfloat16)
+    run = _epilogue(f, (x,), training=False)
+    assert run.matches == {"epilogue": 0}
+    assert count_ops(run.after, aten.addmm) == count_ops(run.before, aten.addmm) == 3
+    assert_ops(run.after, absent=[enn.gemm_bias_act])
+    # the one activation it recognized: gelu on y3, whose pre-activation is also an output
+    assert [(c["choice"], c["act"]) for c in run.choices] == [("inductor", "gelu")]
     with torch.no_grad(), caplog.at_level(logging.DEBUG, logger="enn_backend.passes.epilogue"):
         got = _compile(f)(x)
         want = f(x)
-    assert not enn_backend.report().fusions().get("epilogue")
-    declined = _choices("inductor")
-    assert len(declined) == 1 and "pre-activation is also read" in declined[0]["reason"]
     assert "declined" in caplog.text
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
@@ -273,26 +304,24 @@ def test_actionable_decline_records_pass_skipped(monkeypatch):
     model = MLP(acts=("gelu", "relu")).to(torch.float16)
     with torch.no_grad():
         _compile(model)(torch.randn(4, 16, dtype=torch.float16))
-    assert not enn_backend.report().fusions().get("epilogue")
     skipped = [f for f in enn_backend.report().fallbacks if f.kind == FallbackKind.PASS_SKIPPED.value]
     assert len(skipped) == 1 and "2 GEMM(s)" in skipped[0].reason and "fp16" in skipped[0].reason
+    run = run_passes(model, (torch.randn(4, 16, dtype=torch.float16),), ["epilogue"], training=False)
+    assert count_ops(run.after, aten.addmm) == 2 and count_ops(run.after, enn.gemm_bias_act) == 0
 
 
 def test_option_and_env_switch_the_pass_off(monkeypatch):
     model = MLP(acts=("relu",)).to(torch.bfloat16)
     x = torch.randn(4, 16, dtype=torch.bfloat16)
-    with torch.no_grad():
-        _compile(model, epilogue=False)(x)
-        assert not enn_backend.report().fusions().get("epilogue")
-        assert not _choices()
-        torch._dynamo.reset()
-        monkeypatch.setenv("ENN_EPILOGUE", "0")
-        _compile(model)(x)
-        assert not enn_backend.report().fusions().get("epilogue")
-        torch._dynamo.reset()
-        monkeypatch.delenv("ENN_EPILOGUE")
-        _compile(model)(x)
-        assert enn_backend.report().fusions().get("epilogue") == 1
+    run = run_passes(model, (x,), ["epilogue"], training=False, options={"epilogue": False})
+    assert_ops(run.after, present=[aten.addmm], absent=[enn.gemm_bias_act])
+    assert not run.choices
+    monkeypatch.setenv("ENN_EPILOGUE", "0")
+    run = run_passes(model, (x,), ["epilogue"], training=False)
+    assert_ops(run.after, present=[aten.addmm], absent=[enn.gemm_bias_act])
+    monkeypatch.delenv("ENN_EPILOGUE")
+    run = run_passes(model, (x,), ["epilogue"], training=False)
+    assert_ops(run.after, present=[enn.gemm_bias_act], absent=[aten.addmm])
 
 
 def test_direct_call_lowers_to_inductor_ir(monkeypatch):
@@ -353,6 +382,7 @@ def test_cublaslt_lowering_path_on_cpu(monkeypatch):
     with torch.no_grad():
         got = _compile(model)(x)
         want = model(x)
-    assert enn_backend.report().fusions().get("epilogue") == 2
     assert [c["choice"] for c in _choices()] == ["cublaslt", "cublaslt"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    run = run_passes(model, (x,), ["epilogue"], training=False)
+    assert _fused_acts(run.after) == ["relu", "relu"] and count_ops(run.after, aten.addmm) == 0

@@ -24,7 +24,7 @@ import _hf  # noqa: E402
 
 import enn_backend  # noqa: E402
 
-from enn_backend.custom_ops.attention import _cpu_flash_safe  # noqa: E402
+from enn_backend.custom_ops.attention.safe_paths import _cpu_flash_safe  # noqa: E402
 
 FULL = os.environ.get("ENN_HF_SWEEP", "") == "full"
 SUBSET = {

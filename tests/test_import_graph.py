@@ -23,7 +23,8 @@ KNOWN_LOCAL_IMPORTS: set[tuple[str, str]] = set()
 # The attention package, lowest layer first: a module imports only modules of earlier layers.
 A = "enn_backend.passes.attention"
 ATTENTION_LAYERS = (
-    {f"{A}.problem", f"{A}.match", f"{A}.emitter"},
+    {f"{A}.problem", f"{A}.match", f"{A}.emitter", f"{A}.constants"},
+    {f"{A}.provenance"},
     {f"{A}.masks", f"{A}.regions"},
     {f"{A}.kernels.sdpa", f"{A}.kernels.flex", f"{A}.kernels.enn_op"},
     {f"{A}.kernels"},
@@ -144,5 +145,34 @@ def test_the_static_reader_sees_relative_local_and_type_checking_imports():
 
 def test_a_pass_uuid_covers_its_own_sources_only():
     files = {f.replace("\\", "/").rsplit("/", 2)[-2] + "/" + f.rsplit("/", 1)[-1] for f in sources.module_files(A)}
-    assert "attention/plan.py" in files and "custom_ops/attention.py" in files
+    assert {"attention/plan.py", "attention/op.py", "attention/safe_paths.py"} <= files
     assert not {"enn_backend/demo.py", "bench/runner.py", "enn_backend/backend.py", "passes/epilogue.py"} & files
+
+
+def _private_torch_imports(path: str) -> list[str]:
+    """``torch._x`` modules and ``_name``s of torch modules that the file at ``path`` imports."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+    for st, _ in sources._statements(tree):
+        if isinstance(st, ast.Import):
+            found += [a.name for a in st.names if a.name.split(".")[0] == "torch" and
+                      any(p.startswith("_") for p in a.name.split("."))]
+        elif st.level == 0 and st.module and st.module.split(".")[0] == "torch":
+            private = any(p.startswith("_") for p in st.module.split("."))
+            found += [f"{st.module}.{a.name}" for a in st.names if private or a.name.startswith("_")]
+    return found
+
+
+def test_private_torch_imports_live_in_compat():
+    """Every private torch import (a ``torch._x`` module, a ``_name`` of a torch module) is in
+    enn_backend.compat; other modules read ``compat.X``."""
+    bad = {}
+    for m in _modules():
+        if m == "enn_backend.compat" or m.startswith("enn_backend.compat."):
+            continue
+        found = _private_torch_imports(sources.module_file(m))
+        if found:
+            bad[m] = found
+    assert not bad, f"private torch imports outside enn_backend.compat: {bad}"
+    assert "torch._inductor.compile_fx.compile_fx" in _private_torch_imports(sources.module_file("enn_backend.compat.inductor"))

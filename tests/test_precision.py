@@ -14,6 +14,7 @@ import enn_backend
 from enn_backend import FallbackKind, compat, report
 from enn_backend.custom_ops import precision as P
 from enn_backend.decompositions import ENN_DECOMPOSITIONS, decomposition_table
+from pass_harness import find_ops, run_passes
 
 aten = torch.ops.aten
 
@@ -177,24 +178,32 @@ def _fp16_mean_of_sum(x):
     return x.sum(-1) * 1e-3
 
 
+def _reductions(graph, *ops) -> list[tuple[torch.dtype, torch.dtype]]:
+    """(dtype read, dtype computed in) of each call of ``ops`` in ``graph``."""
+    return [(n.args[0].meta["val"].dtype, n.meta["val"].dtype) for op in ops for n in find_ops(graph, op)]
+
+
 def test_pass_promotes_fp16_sum_and_can_be_switched_off(monkeypatch):
-    x = torch.ones(2, 100_000, dtype=torch.float16)
+    f16, f32 = torch.float16, torch.float32
+    x = torch.ones(2, 100_000, dtype=f16)
+    run = run_passes(_fp16_mean_of_sum, (x,), ["precision"], training=False)
+    assert _reductions(run.before, aten.sum) == [(f16, f16)]
+    assert _reductions(run.after, aten.sum) == [(f32, f32)]  # an fp32 cast of the input feeds the sum
+    assert run.output.dtype == f16 and torch.allclose(run.output.float(), torch.full((2,), 100.0))
+    enn_backend.reset()
     y = torch.compile(_fp16_mean_of_sum, backend="enn")(x)
     assert torch.isfinite(y).all() and torch.allclose(y.float(), torch.full((2,), 100.0))
-    (p,) = [p for p in promotions() if p["rule"] == "reduction"]
-    assert "fp16 sum over 100000 elements" in p["reason"]
-    assert "fp32" in str(report())
+    assert [p["rule"] for p in promotions()] == ["reduction"]
     # off by option ...
+    run = run_passes(_fp16_mean_of_sum, (x,), ["precision"], training=False, options={"precision": False})
+    assert _reductions(run.after, aten.sum) == [(f16, f16)]
     torch._dynamo.reset()
-    enn_backend.reset()
     y = torch.compile(_fp16_mean_of_sum, backend="enn", options={"precision": False})(x)
-    assert not torch.isfinite(y).all() and not promotions()
+    assert not torch.isfinite(y).all()
     # ... and by environment
-    torch._dynamo.reset()
-    enn_backend.reset()
     monkeypatch.setenv("ENN_PRECISION", "0")
-    torch.compile(_fp16_mean_of_sum, backend="enn", options={"guard": "off"})(x)
-    assert not promotions()
+    run = run_passes(_fp16_mean_of_sum, (x,), ["precision"], training=False)
+    assert _reductions(run.after, aten.sum) == [(f16, f16)]
 
 
 def test_pass_leaves_safe_bf16_reductions_alone():
@@ -202,8 +211,10 @@ def test_pass_leaves_safe_bf16_reductions_alone():
         return x.sum(-1) * 1e-3 + x.mean(-1)
 
     x = torch.ones(2, 100_000, dtype=torch.bfloat16)
-    torch.compile(f, backend="enn")(x)
-    assert not promotions()  # bf16 has fp32's range: the sum is safe
+    run = run_passes(f, (x,), ["precision"], training=False)  # bf16 has fp32's range: the sum is safe
+    assert run.matches == {"precision": 0}
+    assert _reductions(run.after, aten.sum, aten.mean) == _reductions(run.before, aten.sum, aten.mean)
+    assert {read for read, _ in _reductions(run.after, aten.sum)} == {torch.bfloat16}
 
 
 # ------------------------------------------------------------------ fp32 tail
@@ -216,12 +227,23 @@ class Head(nn.Module):
         return self.head(self.norm(torch.relu(self.l1(x))))
 
 
+def _matmul_dtypes(graph) -> list[torch.dtype]:
+    return [n.meta["val"].dtype for n in find_ops(graph, aten.addmm)]
+
+
 def test_fp32_tail_auto_on_bf16_inference():
     torch.manual_seed(0)
     m, x = Head().eval(), torch.randn(256, 64)
+    bf16, f32 = torch.bfloat16, torch.float32
     with torch.no_grad():
         ref = m.double()(x.double())
         m.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            on = run_passes(m, (x,), ["fp32_tail"], training=False, options={"fp32_tail": "auto"})
+            off = run_passes(m, (x,), ["fp32_tail"], training=False)
+        assert _matmul_dtypes(on.before) == [bf16, bf16]
+        assert _matmul_dtypes(on.after) == [bf16, f32]  # the head's GEMM (after the final norm) in fp32
+        assert _matmul_dtypes(off.after) == [bf16, bf16]
         errs = {}
         # "auto" is asked for explicitly: the shipped default is "off" (see Options.fp32_tail)
         for be, opts in (("inductor", None), ("enn", {"fp32_tail": "auto"}), ("enn-off", {})):
@@ -233,9 +255,8 @@ def test_fp32_tail_auto_on_bf16_inference():
             errs[be] = rel(y, ref)
             if be == "enn":
                 assert y.dtype == torch.float32  # the tail returns fp32 logits
-                assert any(p.get("rule") == "fp32_tail" for p in promotions())
             if be == "enn-off":
-                assert y.dtype == torch.bfloat16 and not promotions()
+                assert y.dtype == torch.bfloat16
     print("fp32 tail logits rel err:", errs)
     assert errs["enn"] < errs["inductor"] and errs["enn"] < errs["enn-off"]
 
@@ -243,10 +264,13 @@ def test_fp32_tail_auto_on_bf16_inference():
 def test_fp32_tail_skipped_for_bf16_params():
     m = Head().bfloat16().eval()
     with torch.no_grad():
+        run = run_passes(m, (torch.randn(8, 64).bfloat16(),), ["fp32_tail"], training=False,
+                         options={"fp32_tail": "auto"})
+        assert _matmul_dtypes(run.after) == _matmul_dtypes(run.before) == [torch.bfloat16] * 2
+        enn_backend.reset()
         y = torch.compile(m, backend="enn", options={"fp32_tail": "auto"})(torch.randn(8, 64).bfloat16())
     assert y.dtype == torch.bfloat16
-    (fb,) = fallbacks(FallbackKind.PRECISION_SKIPPED)
-    assert "stored in bfloat16" in fb.reason
+    assert len(fallbacks(FallbackKind.PRECISION_SKIPPED)) == 1
 
 
 # ------------------------------------------------------------------ master-dtype retry (the guard)

@@ -61,7 +61,7 @@ def test_enn_compiles_without_inductor_attention_rewrites():
     out = torch.compile(attention, backend="enn")(*x)
     torch.testing.assert_close(out, attention(*x))
     assert inductor_attention_fusions() == 0
-    assert "apply" not in compat._joint_patterns().__dict__  # the registry is as Inductor made it
+    assert "apply" not in compat.attention_rewrites._joint_patterns().__dict__  # the registry is as Inductor made it
 
     torch._dynamo.reset()
     plain = torch.compile(attention, backend="inductor")(*x)
@@ -87,8 +87,8 @@ def test_other_threads_keep_inductor_attention_rewrites():
 
 def test_unrecognized_attention_patterns_are_reported(monkeypatch, caplog):
     """A torch whose attention patterns enn cannot tell apart gets a warning, not silence."""
-    monkeypatch.setattr(compat, "is_inductor_attention_rewrite", lambda entry: False)
-    monkeypatch.setattr(compat, "_attention_warned", [])
+    monkeypatch.setattr(compat.attention_rewrites, "is_inductor_attention_rewrite", lambda entry: False)
+    monkeypatch.setattr(compat.attention_rewrites, "_attention_warned", [])
     x = qkv()
     with caplog.at_level("WARNING", logger="enn_backend"):
         torch.compile(lambda q, k, v: attention(q, k, v) * 2, backend="enn")(*x)

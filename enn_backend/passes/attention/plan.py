@@ -20,7 +20,9 @@ from ...options import Options
 from ..fx_utils import shape, val
 from ..manager import current_module_state
 from .kernels import Kernel, kernel_for
-from .masks import Dims, Structure, classify, tensor_provenance
+from .constants import Dims
+from .masks import Structure, classify
+from .provenance import tensor_provenance
 from .match import Match, Skip, gqa_base
 from .policy import Choice, choose
 from .problem import AttentionProblem

@@ -4,7 +4,7 @@ transformers (``attn_implementation="sdpa"``) calls ``F.scaled_dot_product_atten
 under ``torch.compile`` always with a materialized ``[B, 1, Tq, Tk]`` boolean mask built by
 ``masking_utils`` (causal or sliding-window ``arange`` compares, ``and``-ed with the ``[B, T]``
 padding vector), which SDPA turns into ``where(mask, 0, -inf)``. When that mask is causal, with
-or without key padding (:func:`~.masks.keep_structure`), the kernel gets ``is_causal`` and, for
+or without key padding (:func:`~.provenance.keep_structure`), the kernel gets ``is_causal`` and, for
 padding, a ``[B, 1, 1, Tk]`` mask broadcast as a view (no T x T tensor), built once per mask and
 shared by every layer that reads it. The kernel drops the same keys; on the CPU flash kernel
 the values and gradients are bit-identical, rows whose keys are all masked included (both give
@@ -25,7 +25,8 @@ from ...custom_ops.pinned import EMITTED
 from ..fx_utils import is_call, shape
 from ..manager import PassContext, current_module_state
 from .emitter import Emitter
-from .masks import Dims, KeepStructure, keep_structure
+from .constants import Dims
+from .provenance import KeepStructure, keep_structure
 from .match import scalar
 
 aten = torch.ops.aten

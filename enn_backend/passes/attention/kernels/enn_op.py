@@ -2,9 +2,9 @@
 
 What the other kernels cannot take -- boolean masks, biases that may hold -inf, bias gradients,
 ALiBi / window structure on a kernel without them -- runs inside enn's custom op
-(custom_ops/attention.py), which runs the chosen backend (its ``explicit`` fp32 math always
+(custom_ops/attention/op.py), which runs the chosen backend (its ``explicit`` fp32 math always
 works) and gives a fully masked row eager's NaN, or zeros (``masked_rows="zero"``). The op is
-its own safe path's owner: custom_ops/attention.py registers the explicit math for both ops.
+its own safe path's owner: custom_ops/attention/safe_paths.py registers the explicit math for both ops.
 """
 
 from __future__ import annotations

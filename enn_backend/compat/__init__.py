@@ -1,0 +1,45 @@
+"""Every private torch import enn uses, and every version branch, in one package.
+
+enn supports torch 2.11 to 2.15 (pyproject.toml): the suite runs on 2.13.0 and 2.14.1 in CI
+(CPU), on 2.15.0 (CPU) by hand and on 2.11 (CUDA, the lent GPU machine). Each workaround says
+which torch versions need it and when it can go; each upstream behaviour a test states is a
+named predicate (:mod:`.versions`), with its versions, the upstream reason and the test that
+covers it. No module outside this package imports a private torch module or name
+(tests/test_import_graph.py checks it); callers read ``compat.X``.
+
+=========================  ==================================================================
+``versions``               the torch version; upstream behaviours tests state, by version
+``inductor``               Inductor's entry points, config, lowering table and caches
+``dynamo_aot``             Dynamo's and AOT Autograd's internals: graph copy, AOT config,
+                           AOTAutograd cache hits, tracing context, compile lock
+``tracing``                make_fx, AOT's joint trace, the FX minifier, fake mode, size hints
+``flex``                   FlexAttention's private helpers
+``attention_rewrites``     Inductor's own attention rewrites, kept off enn's compiles
+``miscompiles``            the table of ATen nodes Inductor is known to compute wrong
+``runtime``                what the guard probes per call: torch.distributed, CUDA, Triton
+=========================  ==================================================================
+"""
+
+from __future__ import annotations
+
+from . import attention_rewrites, dynamo_aot, flex, inductor, miscompiles, runtime, tracing, versions  # noqa: F401
+from .attention_rewrites import (  # noqa: F401
+    inductor_attention_rewrites, inductor_attention_rewrites_off, is_inductor_attention_rewrite)
+from .dynamo_aot import (  # noqa: F401
+    FXGraphCacheMiss, aot_cache_hits, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,
+    copy_dynamo_graph, current_tracing_context, donated_inputs, eager_backward_compile, functorch_config,
+    is_dynamo_control_flow, no_aot_autograd_cache, saved_tensors_kept, tracing_context)
+from .flex import flex_attention_hop, flex_dense_to_ordered, flex_kernel_options  # noqa: F401
+from .inductor import (  # noqa: F401
+    CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, dynamo_counters, fallback_lowering,
+    fx_graph_cache_counters, hash_files, inductor_cache_dir, inductor_compile_fx, inductor_config,
+    inductor_config_patches, inductor_lowering, inductor_lowerings_patched, inductor_option_types,
+    mode_config_patches, remove_noop_ops, select_decomp_table, stable_topological_sort)
+from .miscompiles import KNOWN_MISCOMPILES, KnownMiscompile, known_miscompiles  # noqa: F401
+from .runtime import dist_initialized, is_cuda_available, triton_version  # noqa: F401
+from .tracing import (  # noqa: F401
+    detect_fake_mode, fx_minifier, joint_fwd_bwd, make_fx, real_tensor_mode, registered_op_names, size_hint,
+    trace_structured_artifact)
+from .versions import (  # noqa: F401
+    TORCH_VERSION, cpp_emulates_precision_casts, emulate_precision_casts_rounds_python_scalars,
+    inductor_compiles_nan_amax)

@@ -1,0 +1,198 @@
+"""Dynamo's and AOT Autograd's internals enn relies on: the captured graph's copy, AOT Autograd's
+config (its cache, donated buffers, lazy backward), AOTAutograd cache hits, the tracing context,
+the compile lock and Dynamo's control-flow exceptions."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+
+from torch._functorch import config as functorch_config
+from torch._guards import TracingContext, tracing
+
+
+def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a Dynamo-captured graph that AOT Autograd still recognizes as Dynamo's.
+
+    ``fx.GraphModule(gm, deepcopy(gm.graph))`` keeps the nodes but drops what Dynamo hands
+    AOT Autograd outside them (torch 2.13, ``_aot_autograd/frontend_utils.py``): ``gm.meta``
+    (``dynamo_compile_id``), ``gm._param_name_to_source`` and each placeholder's
+    ``_dynamo_source``. Without them AOT Autograd knows no static inputs (parameters and
+    buffers): the min-cut partitioner then saves views of the weights and masks computed
+    from buffers instead of the weights themselves (nanoGPT's training forward ran 0.64 vs
+    0.47 ms on CPU), and CUDA graphs would treat parameters as inputs to copy.
+    """
+    import copy
+
+    new = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    new.meta.update(gm.meta)
+    for attr in ("_param_name_to_source", "_source_to_user_stacks", "compile_subgraph_reason"):
+        if hasattr(gm, attr):
+            setattr(new, attr, getattr(gm, attr))
+    old_ph = gm.graph.find_nodes(op="placeholder")
+    new_ph = new.graph.find_nodes(op="placeholder")
+    for old, node in zip(old_ph, new_ph):
+        if hasattr(old, "_dynamo_source"):
+            node._dynamo_source = old._dynamo_source  # type: ignore[attr-defined]
+    return new
+
+
+@contextlib.contextmanager
+def no_aot_autograd_cache() -> Iterator[None]:
+    """Compile without the AOTAutograd cache (the FX graph cache stays on)."""
+    with functorch_config.patch(enable_autograd_cache=False):
+        yield
+
+
+@contextlib.contextmanager
+def saved_tensors_kept() -> Iterator[None]:
+    """Compile so that a backward graph never writes into its inputs.
+
+    AOT Autograd *donates* the saved tensors of a backward graph (``donated_buffer``, on by
+    default since torch 2.6) and Inductor may then reuse their memory for the backward's own
+    buffers. The guard re-runs a faulty backward eagerly on the very inputs the compiled call
+    received, so under a guard they must still hold what they held. Without donation the
+    saved tensors are still freed as soon as they are dead (AOT clears the autograd context's
+    references before the call), so the cost is buffer reuse only, not a longer lifetime.
+    Covered by tests/test_guard.py::test_backward_rerun_reads_the_inputs_it_was_given.
+    """
+    with functorch_config.patch(donated_buffer=False):
+        yield
+
+
+def donated_inputs() -> list[int]:
+    """Indices of the backward graph's inputs that AOT Autograd donated to Inductor (asked
+    inside ``inner_compile`` of a backward graph; empty when nothing is donated)."""
+    from torch._inductor.utils import get_donated_idxs
+
+    return list(get_donated_idxs() or [])
+
+
+def compile_lock() -> Any:
+    """Dynamo's compile lock (an RLock): Inductor's compile is not thread-safe, and the guard
+    recompiles graphs at run time, possibly while another thread compiles a frame."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    return compile_lock
+
+
+# --- AOTAutograd cache hits (enn_backend/aot_cache.py) ------------------------------------
+# A hit skips ``inner_compile``, where enn wraps each graph in its guard. Every hit goes
+# through ``GenericAOTAutogradResult.wrap_post_compile`` (checked on 2.11 and 2.13), which loads the
+# forward and backward artifacts and passes each through its part's ``post_compile``: for
+# the length of one enn compile, enn sees the entry there and wraps what each part's
+# ``post_compile`` returns. Where that method is missing, or entries are bundled (they carry
+# no FX graph keys), enn compiles without the AOTAutograd cache, as it did before.
+try:
+    from torch._functorch._aot_autograd.aot_autograd_result import GenericAOTAutogradResult as _AOTResult
+    from torch._functorch._aot_autograd.autograd_cache import FXGraphCacheMiss
+    from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
+
+    _AOT_WRAP = _AOTResult.__dict__.get("wrap_post_compile")
+except ImportError:  # pragma: no cover - a torch without it (older, or moved)
+    _AOTResult, _AOT_WRAP = None, None
+
+    class FXGraphCacheMiss(Exception):  # type: ignore[no-redef]
+        pass
+
+    def should_bundle_autograd_cache() -> bool:  # type: ignore[misc]
+        return True
+
+_AOT_HANDLERS: list[Callable[..., Any]] = []
+
+
+def aot_cache_usable() -> bool:
+    """Can enn take AOTAutograd cache hits here (and is the cache switched on)?"""
+    return (_AOT_WRAP is not None and bool(functorch_config.enable_autograd_cache)
+            and not should_bundle_autograd_cache())
+
+
+def _wrap_post_compile(entry: Any, *args: Any, **kwargs: Any) -> Any:
+    if not _AOT_HANDLERS:
+        return _AOT_WRAP(entry, *args, **kwargs)
+    return _AOT_HANDLERS[-1](entry, lambda: _AOT_WRAP(entry, *args, **kwargs))
+
+
+@contextlib.contextmanager
+def aot_cache_hits(handler: Callable[[Any, Callable[[], Any]], Any]) -> Iterator[None]:
+    """Within this context an AOTAutograd cache hit goes through ``handler(entry, load)``.
+
+    ``load()`` builds the compiled function from the entry (see :func:`aot_entry_load` to
+    wrap its graphs); the handler returns that function, or raises :class:`FXGraphCacheMiss`
+    to refuse the entry (AOT Autograd then compiles as on a miss).
+    """
+    if not aot_cache_usable():
+        with no_aot_autograd_cache():
+            yield
+        return
+    _AOT_HANDLERS.append(handler)
+    patched = _AOTResult.__dict__.get("wrap_post_compile") is _wrap_post_compile
+    if not patched:
+        _AOTResult.wrap_post_compile = _wrap_post_compile
+    try:
+        yield
+    finally:
+        _AOT_HANDLERS.pop()
+        if not patched:
+            _AOTResult.wrap_post_compile = _AOT_WRAP
+
+
+def aot_entry_load(entry: Any, load: Callable[[], Any], wrap_forward: Callable[[Any], Any],
+                   wrap_backward: Callable[[Any], Any]) -> Any:
+    """``load()``, with the entry's loaded forward (or inference) and backward graphs passed
+    through ``wrap_forward`` / ``wrap_backward`` before AOT Autograd builds on them."""
+    parts = [(entry.compiled_fw, wrap_forward)]
+    if entry.compiled_bw is not None:
+        parts.append((entry.compiled_bw, wrap_backward))
+    for part, wrap in parts:
+        post_compile = part.post_compile
+        part.post_compile = lambda result, fx_config, _p=post_compile, _w=wrap: _w(_p(result, fx_config))
+    try:
+        return load()
+    finally:
+        for part, _ in parts:
+            part.__dict__.pop("post_compile", None)
+
+
+def aot_entry_graph_keys(entry: Any) -> tuple[str | None, str | None]:
+    """The FX graph cache keys of an AOTAutograd cache entry's forward and backward."""
+    def key(part: Any) -> str | None:
+        info = getattr(part, "fx_graph_cache_info", None)
+        return info[0] if isinstance(info, tuple) and info and isinstance(info[0], str) else None
+
+    return key(entry.compiled_fw), key(entry.compiled_bw) if entry.compiled_bw is not None else None
+
+
+@contextlib.contextmanager
+def eager_backward_compile() -> Iterator[None]:
+    """Trace with AOTAutograd's cache off and the backward graph handed over at once."""
+    with functorch_config.patch(enable_autograd_cache=False, force_non_lazy_backward_lowering=True):
+        yield
+
+
+def current_tracing_context() -> Any:
+    return TracingContext.try_get()
+
+
+@contextlib.contextmanager
+def tracing_context(ctx: Any) -> Iterator[None]:
+    """Re-enter the tracing context a graph was first compiled under (for recompiles)."""
+    if ctx is None:
+        yield
+        return
+    with tracing(ctx):
+        yield
+
+
+def is_dynamo_control_flow(exc: BaseException) -> bool:
+    """Exceptions Dynamo uses to steer compilation (restart analysis, skip frame, graph
+    break, user error). They must reach Dynamo untouched: they are not compile failures.
+    Seen on 2.13: dynamic shapes raise TensorifyScalarRestartAnalysis from inside AOT."""
+    from torch._dynamo import exc as dexc
+
+    if not isinstance(exc, dexc.TorchDynamoException):
+        return False
+    return not isinstance(exc, (dexc.BackendCompilerFailed, dexc.InternalTorchDynamoError, dexc.TorchRuntimeError))

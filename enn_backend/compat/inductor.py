@@ -1,0 +1,144 @@
+"""Inductor's entry points, config, lowering table and caches, as enn reaches them."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import typing
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx
+
+from torch._inductor import config as inductor_config
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: F401
+from torch._inductor.decomposition import select_decomp_table  # noqa: F401
+from torch._dynamo.utils import counters as dynamo_counters
+from torch._inductor.fx_passes.post_grad import remove_noop_ops  # noqa: F401
+from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
+
+try:  # 2.6+: passes must be CustomGraphPass objects with a uuid() or the FX cache is bypassed
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+except ImportError:  # pragma: no cover - torch < 2.6
+    class CustomGraphPass:  # type: ignore[no-redef]
+        def uuid(self) -> Any:
+            return None
+
+
+def mode_config_patches(mode: str) -> dict[str, Any]:
+    """Inductor config patches for a torch.compile ``mode=`` value (its Inductor meaning)."""
+    if mode in (None, "", "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode))
+
+
+@functools.cache
+def inductor_option_types() -> dict[str, Any]:
+    """Inductor's config keys as ``torch.compile(backend="inductor", options=...)`` takes them
+    (nested ones dotted: ``"triton.cudagraphs"``), each with the class a value must be an
+    instance of, or None where the declared type is no plain class (``int | None``,
+    ``list[str]``): the check of ``_TorchCompileInductorWrapper.apply_options``
+    (torch/__init__.py, the same on 2.11 to 2.15)."""
+    return {name: (kind if typing.get_origin(kind := inductor_config.get_type(name)) is None else None)
+            for name in inductor_config.get_config_copy()}
+
+
+def inductor_config_patches(mode: str, options: Any) -> dict[str, Any]:
+    """Inductor's config for an enn compile: ``mode``'s patches, then the Inductor keys of
+    ``options=`` (``(key, value)`` pairs, enn_backend.options.Options.inductor), which win
+    where both set a key."""
+    return {**mode_config_patches(mode), **dict(options)}
+
+
+def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
+    """Inductor's own compile_fx (the exact path of ``backend="inductor"``)."""
+    return compile_fx(gm, example_inputs, **kwargs)
+
+
+def hash_files(paths: list[str]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def fx_graph_cache_counters() -> dict[str, int]:
+    c = dynamo_counters["inductor"]
+    return {"hit": c.get("fxgraph_cache_hit", 0), "miss": c.get("fxgraph_cache_miss", 0), "bypass": c.get("fxgraph_cache_bypass", 0)}
+
+
+@contextlib.contextmanager
+def inductor_lowerings_patched(extra: dict[Any, Callable[..., Any]]) -> Iterator[None]:
+    """Install lowerings for enn's own ops only while enn compiles.
+
+    Inductor keeps lowerings in one global dict; enn adds entries on enter and
+    restores the dict on exit, so ``backend="inductor"`` never sees them.
+    """
+    from torch._inductor import lowering as L
+
+    saved = {op: L.lowerings.get(op, _MISSING) for op in extra}
+    before = set(L.lowerings)
+    L.lowerings.update(extra)
+    try:
+        yield
+    finally:
+        for op, old in saved.items():
+            if old is _MISSING:
+                L.lowerings.pop(op, None)
+            else:
+                L.lowerings[op] = old
+        # Inductor registers an implicit fallback lowering for every unknown custom op it
+        # meets (enn::pinned, enn::fault, ...): take enn's out again, keep the table as found.
+        for op in set(L.lowerings) - before:
+            if getattr(op, "namespace", None) == "enn":
+                L.lowerings.pop(op, None)
+                L.fallbacks.discard(op)
+
+
+_MISSING = object()
+
+
+def fallback_lowering(op: Any) -> Callable[..., Any]:
+    """Inductor's extern-kernel fallback for ``op`` (what an op without a lowering gets)."""
+    from torch._inductor import lowering as L
+
+    return L.fallback_handler(op, add_to_fallback_set=False)
+
+
+# --- Inductor IR builders for enn's lowerings (lowerings/precision.py) -------------------
+# torch._inductor.lowering.lowerings is a private dict of op -> IR builder, unchanged
+# from 2.0 through 2.13. enn composes these builders; it never writes to the dict here.
+
+
+def inductor_lowering(op: Any) -> Callable[..., Any]:
+    """Inductor's own lowering (IR builder) of an ATen/prims op."""
+    from torch._inductor import lowering as L
+
+    return L.lowerings[op]
+
+
+# --- Benchmark suite (enn_backend.bench) ------------------------------------------------
+# torch._inductor.utils.clear_inductor_caches exists from 2.1 to 2.13 (from 2.8 an alias of
+# clear_caches); checked in the 2.11 and 2.13 sources. Covered by tests/test_bench.py.
+
+
+def clear_inductor_memory_caches() -> None:
+    """Forget Inductor's in-memory caches of compiled code (the disk caches are untouched).
+
+    The benchmark gives each backend its own cache folder so that one backend's
+    compiled kernels never make another's "cold" compile look fast.
+    """
+    from torch._inductor import utils
+
+    (getattr(utils, "clear_caches", None) or utils.clear_inductor_caches)()
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()

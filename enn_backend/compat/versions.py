@@ -1,0 +1,37 @@
+"""The torch version enn runs on, and each upstream behaviour a test states, as a named predicate.
+
+Each predicate names the torch versions it holds on, the upstream reason and the test that covers it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def cpp_emulates_precision_casts() -> bool:
+    """torch >= 2.13: Inductor's C++ (CPU) code honours ``emulate_precision_casts``, rounding
+    each intermediate to the low-precision dtype as eager does; 2.11 and 2.12 emit the same CPU
+    code with it on or off (``codegen/cpp.py`` reads the flag from 2.13: checked in the 2.11,
+    2.12.1 and 2.13.0 sources; 2.11 measured). Triton code honours it on every supported torch.
+    Covered by tests/test_precision.py::test_emulate_precision_casts_matches_eager_bitwise."""
+    return TORCH_VERSION >= (2, 13)
+
+
+def emulate_precision_casts_rounds_python_scalars() -> bool:
+    """torch >= 2.15: under ``emulate_precision_casts`` Inductor's C++ code rounds a Python
+    scalar operand of a bf16 op to bf16 (``static_cast<at::BFloat16>(0.33)``; 2.13 and 2.14.1
+    emit ``static_cast<float>(0.33)``), where eager multiplies by the scalar in fp32: the
+    result is no longer eager's bit for bit (it differs from eager in more elements than
+    without emulation). Tensor operands still match eager exactly on every version.
+    Covered by tests/test_precision.py::test_emulate_precision_casts_matches_eager_bitwise."""
+    return TORCH_VERSION >= (2, 15)
+
+
+def inductor_compiles_nan_amax() -> bool:
+    """torch >= 2.14: Inductor compiles ``amax`` over a NaN-filled constant (pytorch/pytorch
+    #188225 fixed); 2.13 raises "ValueError: The argument 'nan' is not comparable" (index
+    propagation calls sympy's max on nan). Covered by
+    minifier_repros/repro_upstream_188225_amax_nan_constant.py."""
+    return TORCH_VERSION >= (2, 14)
