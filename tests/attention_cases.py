@@ -126,6 +126,57 @@ def learned_bias(q, k, v, bias):
     return F.softmax(att.float(), dim=-1).to(q.dtype) @ v
 
 
+def t5_bias(q, k, v, pos, mask):
+    """T5's scores: no scale, a learned relative-position bias ``[1, H, Tq, Tk]`` and the extended
+    padding mask added one after the other (two bias terms, the first one with a gradient)."""
+    att = torch.matmul(q, k.transpose(3, 2)) + pos
+    return F.softmax(att + mask, dim=-1) @ v
+
+
+def t5_bias_scaled(q, k, v, pos, mask):
+    """The position bias scaled with the scores: its gradient is 0.5 times the scores'."""
+    att = (torch.matmul(q, k.transpose(-1, -2)) + pos) * 0.5 + mask
+    return att.softmax(-1) @ v
+
+
+def t5_bias_twice(q, k, v, pos, mask):
+    """One bias node in two terms (factors 2 and 1): its gradient is 3 times the scores'."""
+    att = (torch.matmul(q, k.transpose(-1, -2)) + pos) * 2.0 + pos + mask
+    return att.softmax(-1) @ v
+
+
+def three_d_bias(q, k, v, bias, mask):
+    """``bmm`` on [B, T, D] (no head axis) with a learned bias [1, Tq, Tk] and a padding mask [B, 1, Tk]."""
+    return torch.bmm((torch.bmm(q, k.transpose(1, 2)) * 0.3 + bias + mask).softmax(-1), v)
+
+
+class T5Layers(torch.nn.Module):
+    """T5's relative-position bias: looked up in a learned ``[buckets, H]`` table once, in layer 0,
+    and reused by the next layer (both attentions add it, with the padding mask)."""
+
+    def __init__(self, buckets: int = 8) -> None:
+        super().__init__()
+        self.buckets = buckets
+        self.table = torch.nn.Embedding(buckets, H)
+        torch.nn.init.normal_(self.table.weight, std=0.5, generator=torch.Generator().manual_seed(1))
+
+    def forward(self, q, k, v, mask):
+        i = torch.arange(q.size(-2))
+        rel = (i[None, :] - i[:, None]).clamp(-(self.buckets // 2), self.buckets // 2 - 1) + self.buckets // 2
+        pos = self.table(rel).permute(2, 0, 1).unsqueeze(0)  # [1, H, T, T]
+        return t5_bias(t5_bias(q, k, v, pos, mask), k, v, pos, mask)
+
+
+def t5_cross(q, k, v, mask):
+    """T5's cross-attention: the zero position bias of a layer without relative positions, the
+    encoder's padding mask, Tk == D. Inductor's joint clean-up folds ``+ zeros`` away and
+    replaces the ``* 1.0`` with a node of its own: the backward of that ``mul`` is left with a
+    ``seq_nr`` no forward node has."""
+    att = torch.matmul(q, k.transpose(3, 2)) * 1.0
+    att = att + torch.zeros(1, q.size(1), q.size(2), k.size(2), dtype=q.dtype)
+    return torch.matmul(F.softmax((att + mask).float(), dim=-1).type_as(att), v)
+
+
 def bool_padding_neg_inf(q, k, v, keep):
     att = torch.matmul(q, k.transpose(-1, -2)) * 0.35
     att = att.masked_fill(~keep[:, None, None, :], float("-inf"))

@@ -15,10 +15,11 @@ from attention_cases import (ALIBI, BACKEND, BIAS, CAUSAL, CPU_FLASH, CPU_FLASH_
                              causal_tril, causal_triu_where_min, choices, enn, exp_not_softmax, finfo_min_padding,
                              fused, gqa_repeat_interleave, heads_of_hidden, int_padding, intermediate_reused, learned_bias,
                              padding_bias, qkv, scale_q_div, sliding_window, softmax_over_dim1_3d,
-                             softmax_over_queries, the, three_d_causal, untouched)
+                             softmax_over_queries, t5_bias, t5_bias_scaled, t5_bias_twice, t5_cross, the,
+                             three_d_bias, three_d_causal, untouched, UNFUSED, T5Layers)
 from enn_backend.custom_ops.attention import SATURATED_FLOOR
 from enn_backend.custom_ops.pinned import EMITTED
-from enn_backend.passes.attention import provenance
+from enn_backend.passes.attention import AttentionPass, provenance
 from pass_harness import assert_ops, count_ops, find_ops, run_passes
 
 
@@ -133,6 +134,77 @@ def test_learned_bias_with_gradient():
     run = fused(learned_bias, (*qkv(), bias))
     assert the(run.after, enn.attention).args[BACKEND] == "explicit"  # CPU flash gives no bias gradient
     assert the(run.after, enn.attention_backward).args[-1] is True  # bias_grad
+
+
+def _padding_mask(shape):
+    """HF's extended padding mask (0: keep, finfo.min: padding), broadcast to ``shape``; no gradient."""
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[1, 5:] = False
+    return torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :].expand(shape).contiguous()
+
+
+def _position_bias():
+    return (0.5 * torch.randn(1, H, T, T, generator=torch.Generator().manual_seed(1))).requires_grad_(True)
+
+
+@pytest.mark.parametrize("fn,factor", [(t5_bias, 1.0), (t5_bias_scaled, 0.5), (t5_bias_twice, 3.0)],
+                         ids=["t5", "scaled", "one_node_twice"])
+@pytest.mark.parametrize("mask_shape", [(B, 1, 1, T), (B, 1, T, T)], ids=["mask_b11t", "mask_b1tt"])
+def test_bias_of_several_terms_one_with_gradient(fn, factor, mask_shape):
+    """T5: a learned position bias [1, H, T, T] (gradient) plus the padding mask (none). The kernel
+    gets their sum; the position bias's gradient is the kernel's bias gradient summed over the
+    batch (the axis it broadcasts over) times the bias's factor; the mask gets none."""
+    run = fused(fn, (*qkv(), _position_bias(), _padding_mask(mask_shape)))
+    assert the(run.after, enn.attention).args[BACKEND] == "explicit"  # CPU flash gives no bias gradient
+    backward = the(run.after, enn.attention_backward)
+    assert backward.args[-1] is True  # bias_grad
+    (dbias,) = [n for n in backward.users if n.args[1] == 3]
+    (reduced,) = dbias.users
+    assert reduced.target is aten.sum.dim_IntList and list(reduced.args[1]) == [0], reduced.format_node()
+    scaled = [u for u in reduced.users if u.target is aten.mul.Tensor and u.args[1] == factor]
+    assert len(scaled) == (factor != 1.0), [u.format_node() for u in reduced.users]
+
+
+@pytest.mark.parametrize("batch", [1, B])
+def test_three_d_attention_bias_with_gradient(batch):
+    """The kernel's bias gradient of a 3-D attention ([B, 1, Tq, Tk], the head axis added) loses the
+    head axis again before it is summed down to the bias's [1 or B, Tq, Tk]."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, t, d, generator=g, requires_grad=True) for t, d in ((T, 4), (2 * T, 4), (2 * T, 6)))
+    bias = (0.5 * torch.randn(batch, T, 2 * T, generator=g)).requires_grad_(True)
+    keep = torch.ones(B, 2 * T, dtype=torch.bool)
+    keep[1, 11:] = False
+    run = fused(three_d_bias, (q, k, v, bias, torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, :]))
+    assert the(run.after, enn.attention_backward).args[-1] is True
+
+
+def test_position_bias_shared_by_two_layers():
+    """T5 computes the position bias in layer 0 and reuses it: both sites fused, each gives its
+    share of the bias gradient, which reaches the learned table as in eager."""
+    run = run_passes(T5Layers(), (*qkv(), _padding_mask((B, 1, 1, T))), ["attention"])
+    assert run.matches == {"attention": 2}, run.matches
+    assert_ops(run.after, absent=UNFUSED)
+    assert count_ops(run.after, enn.attention_backward) == 2
+    run.check_eager()
+
+
+def test_site_first_planned_after_inductors_joint_clean_up(monkeypatch):
+    """T5's cross-attention seen in the joint stage only (as when the policy leaves it to Inductor
+    in joint_pre): the forward ``* 1.0`` has been replaced by a node with another ``seq_nr`` than
+    its backward's. That backward lies between two nodes of the region's backward, so it is
+    part of it: the exits are dq, dk and dv only (the scores' gradient, [B, H, Tq, Tk] like q's
+    [B, H, Tq, D], is no exit to be mistaken for dq)."""
+    monkeypatch.setattr(AttentionPass, "stage", "joint")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T, 2 * T, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, H, 2 * T, 2 * T, generator=g, requires_grad=True) for _ in range(2))
+    keep = torch.ones(B, 2 * T, dtype=torch.bool)
+    keep[1, 11:] = False
+    mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :].expand(B, 1, T, 2 * T)
+    run = fused(t5_cross, (q, k, v, mask))
+    assert [s.stage for s in run.stages] == ["joint"]
+    assert_ops(run.after, present=[enn.attention, enn.attention_backward])
+    assert not enn_backend.report().to_dict()["fallbacks"]
 
 
 def test_bf16_softmax_in_fp32_inference():

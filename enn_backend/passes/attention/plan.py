@@ -38,6 +38,10 @@ class Plan:
     structure: Structure
     regions: Regions
     bias_grad: bool
+    # The distinct bias term nodes (inputs 3.. of the regions) and each one's factor in the
+    # kernel's bias (summed over the terms it appears in): the gradient of term node ``t`` is
+    # ``factor * dbias`` summed down to ``t``'s shape.
+    bias_terms: list[tuple[fx.Node, float]]
     problem: AttentionProblem
     choice: Choice
     kernel: Kernel
@@ -87,8 +91,7 @@ def _problem(m: Match, k: fx.Node, v: fx.Node, st: Structure, bias_grad: bool, t
         static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])))
 
 
-def _refusal(m: Match, st: Structure, backend: Backend, inputs: list[fx.Node], grads: dict[int, fx.Node],
-             bias_shape: Optional[tuple], v: fx.Node) -> str:
+def _refusal(m: Match, st: Structure, backend: Backend, v: fx.Node) -> str:
     """Why the chosen kernel cannot take this site ("" when it can)."""
     if st.alibi is not None and st.alibi.positions != "exact" and backend is not Backend.FLEX:
         return (f"ALiBi positions rounded to {st.alibi.positions}: only FlexAttention reproduces them "
@@ -96,11 +99,15 @@ def _refusal(m: Match, st: Structure, backend: Backend, inputs: list[fx.Node], g
     out = (*shape(m.q)[:-1], shape(v)[-1])
     if out != shape(m.out):
         return f"output shape {out} != {shape(m.out)}"
-    for i, exit_node in grads.items():
-        got = bias_shape if i >= 3 else shape(inputs[i])
-        if got != shape(exit_node):
-            return f"gradient shape {got} != {shape(exit_node)}"
     return ""
+
+
+def _terms(st: Structure) -> list[tuple[fx.Node, float]]:
+    """Each distinct bias term node with its factor in the kernel's bias, summed over its terms."""
+    factors: dict[fx.Node, float] = {}
+    for b in st.bias:
+        factors[b.node] = factors.get(b.node, 0.0) + b.factor
+    return list(factors.items())
 
 
 def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
@@ -111,21 +118,20 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
     st = classify(m.masks, m.bias_terms, dims, current_module_state())
     if st.causal and tq != tk:
         raise Skip("causal mask with Tq != Tk (SDPA's causal is top-left aligned)")
-    inputs = [m.q, k, v] + [b.node for b in st.bias] + ([st.alibi.term] if st.alibi else [])
+    terms = _terms(st)
+    inputs = [m.q, k, v] + [t for t, _ in terms] + ([st.alibi.term] if st.alibi else [])
     regions = find_regions(graph, m.out, inputs)
     grads = regions.grads
     if st.alibi is not None and len(inputs) - 1 in grads:
         raise Skip("ALiBi slopes that need a gradient")
     bias_grad = any(i >= 3 for i in grads)
-    if bias_grad and (len(st.bias) != 1 or st.bias[0].factor != 1.0):
-        raise Skip("gradient needed for a bias built from several terms")
     problem = _problem(m, k, v, st, bias_grad, bool(grads))
     choice = choose(problem, opts.attention_backend, opts.attention_order)
     bias_shape = _bias_shape(st, m.three_d)
-    refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, inputs, grads, bias_shape, v)
+    refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, v)
     provenance = "; ".join(filter(None, (
         tensor_provenance(t, dims, shape(m.q)[0], current_module_state())
         for t in [b.node for b in st.bias] + [t.cond for t in st.keep + st.floors if t.keep_when_true])))
-    return Plan(m, k, v, rep, st, regions, bias_grad, problem, choice,
+    return Plan(m, k, v, rep, st, regions, bias_grad, terms, problem, choice,
                 kernel_for(choice.backend, problem, bias_shape[-1] if bias_shape else None),
                 "zero" if opts.masked_rows == "zero" else "eager", refusal, provenance)

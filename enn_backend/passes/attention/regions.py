@@ -4,9 +4,11 @@ Forward: every node on a path from an input (q / k / v / bias terms) to the outp
 constants (scale, fill, mask nodes with no input in the region) feeding it. Backward (training):
 every joint-graph node whose ``seq_nr`` belongs to a forward node of the region -- AOT Autograd
 tags each backward node with the forward op it differentiates -- plus the accumulation nodes
-between them. The gradients leaving the backward region are mapped to the inputs by shape, then
-by the forward op they differentiate; anything ambiguous raises :class:`Skip` (the graph is left
-alone, recorded).
+between them, plus every node on a path from one backward node of the region to another.
+A gradient accumulation (``is_gradient_acc``) carries the ``seq_nr`` of whatever op autograd was
+at, not of an op it differentiates: it belongs to the region only when all its inputs do. The
+gradients leaving the backward region are mapped to the inputs by shape, then by the forward op
+they differentiate; anything ambiguous raises :class:`Skip` (the graph is left alone, recorded).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def is_backward(n: fx.Node) -> bool:
 
 
 def _seq(n: fx.Node) -> Any:
-    return n.meta.get("seq_nr")
+    """The ``seq_nr`` of the forward op ``n`` is (or, in the backward, differentiates); None for a
+    gradient accumulation."""
+    return None if n.meta.get("is_gradient_acc") else n.meta.get("seq_nr")
 
 
 def _on_path(region: set[fx.Node], inputs: list[fx.Node]) -> set[fx.Node]:
@@ -57,6 +61,9 @@ def _backward_region(graph: fx.Graph, region: set[fx.Node], inputs: list[fx.Node
     seqs = {_seq(n) for n in region if n in on_path and isinstance(val(n), torch.Tensor) and val(n).is_floating_point()}
     seqs.discard(None)
     bwd = {n for n in graph.nodes if n.op == "call_function" and is_backward(n) and _seq(n) in seqs}
+    if not bwd:
+        return bwd
+    bwd |= _between(graph, bwd)
     # accumulation/helper nodes without a seq_nr whose inputs all come from the region
     changed = True
     allowed = region | set(inputs)
@@ -70,6 +77,21 @@ def _backward_region(graph: fx.Graph, region: set[fx.Node], inputs: list[fx.Node
                 bwd.add(n)
                 changed = True
     return bwd
+
+
+def _between(graph: fx.Graph, bwd: set[fx.Node]) -> set[fx.Node]:
+    """The nodes outside ``bwd`` on a path from one node of ``bwd`` to another: computed from the
+    attention's backward and read by it, they are part of it whatever their ``seq_nr`` says.
+    (Inductor's joint clean-up replaces forward nodes -- ``x * 1.0 + zeros`` becomes one new
+    ``mul`` with the ``add``'s ``seq_nr`` -- and leaves the backward of the op it dropped with a
+    ``seq_nr`` that no forward node has.)"""
+    order = graph_order(graph)
+    first = min(bwd, key=order)
+    below: set[fx.Node] = set()  # depends on a node of bwd
+    for n in graph.nodes:
+        if order(n) > order(first) and n not in bwd and any(a in bwd or a in below for a in n.all_input_nodes):
+            below.add(n)
+    return ancestors([a for n in bwd for a in n.all_input_nodes if a in below], within=below.__contains__)
 
 
 def _check_closed(region: set[fx.Node], bwd: set[fx.Node], out: fx.Node, inputs: list[fx.Node]) -> None:
@@ -107,7 +129,7 @@ def _map_exits(exits: list[fx.Node], inputs: list[fx.Node], region: set[fx.Node]
     for e in exits:
         cands = [i for i, x in enumerate(inputs) if shape(x) == shape(e) and val(x).dtype == val(e).dtype]
         if len(cands) > 1:
-            by_seq = [i for i in cands if any(_seq(p) == _seq(e) for p in private[i])]
+            by_seq = [i for i in cands if _seq(e) is not None and any(_seq(p) == _seq(e) for p in private[i])]
             cands = by_seq if len(by_seq) == 1 else _by_bmm_operand(e, cands, inputs, bwd)
         if len(cands) != 1 or cands[0] in result:
             raise Skip(f"cannot tell which input backward node {e.name} is the gradient of")

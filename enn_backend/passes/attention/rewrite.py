@@ -66,9 +66,32 @@ def rewrite(graph: fx.Graph, plan: Plan, mode: object) -> None:
         return
     parts = kernel.backward(grad_in, first_bwd)
     for idx, exit_node in regions.grads.items():
-        g = parts[min(idx, 3)]
-        if m.three_d and idx < 3:
-            g = em.call(aten.squeeze.dim, (g, 1), before=first_bwd)
+        if idx < 3:
+            g = parts[idx]
+            if m.three_d:
+                g = em.call(aten.squeeze.dim, (g, 1), before=first_bwd)
+        else:
+            g = _term_grad(em, plan, parts[3], idx - 3, first_bwd)
         g = em.cast(g, tensor_dtype(exit_node), first_bwd)
         exit_node.replace_all_uses_with(g)
         follow_layout(g, mode)
+
+
+def _one(size: object) -> bool:
+    return isinstance(size, int) and size == 1  # a symbolic size is never 1 (Dynamo specializes 0 / 1)
+
+
+def _term_grad(em: Emitter, plan: Plan, dbias: fx.Node, j: int, before: fx.Node) -> fx.Node:
+    """The gradient of bias term node ``j`` from the kernel's bias gradient (the bias is the sum of
+    ``factor * term``): ``factor * dbias``, summed over the axes the term broadcasts along, as
+    autograd's ``sum_to_size`` does."""
+    term, factor = plan.bias_terms[j]
+    if plan.match.three_d and len(shape(dbias)) == 4:  # _operands unsqueezed a [B, Tq, Tk] bias
+        dbias = em.call(aten.squeeze.dim, (dbias, 1), before=before)
+    have, want = shape(dbias), shape(term)
+    lead = len(have) - len(want)
+    dims = list(range(lead)) + [lead + i for i, s in enumerate(want) if _one(s) and not _one(have[lead + i])]
+    g = em.call(aten.sum.dim_IntList, (dbias, dims, True), before=before) if dims else dbias
+    if lead:
+        g = em.call(aten.view.default, (g, [em.size(term, i) for i in range(len(want))]), before=before)
+    return g if factor == 1.0 else em.call(aten.mul.Tensor, (g, factor), before=before)
