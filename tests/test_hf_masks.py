@@ -53,14 +53,21 @@ def _model(family: str, impl: str, window: int = 0) -> torch.nn.Module:
     return model.train()
 
 
-def _run(family: str, impl: str, padded: bool, window: int = 0):
-    """The pass on the model's training graph; values and gradients checked against eager."""
+def _left_padded(seq: int = SEQ) -> torch.Tensor:
+    """Batched generation's layout: the second prompt padded on the left."""
+    mask = torch.ones(B, seq, dtype=torch.long)
+    mask[1, :PADDED] = 0
+    return mask
+
+
+def _run(family: str, impl: str, padded: bool, window: int = 0, mask: torch.Tensor | None = None):
+    """The pass on the model's training graph; values and gradients checked against eager.
+    ``mask``: the attention mask (default: left padding when ``padded``)."""
     model = _model(family, impl, window)
-    ids = torch.randint(3, 128, (B, SEQ))
+    mask = _left_padded() if padded and mask is None else mask
+    ids = torch.randint(3, 128, (B, SEQ if mask is None else mask.shape[1]))
     args = [ids]
-    if padded:  # batched generation's layout: the second prompt padded on the left
-        mask = torch.ones(B, SEQ, dtype=torch.long)
-        mask[1, :PADDED] = 0
+    if mask is not None:
         args = [ids.masked_fill(mask == 0, 0), mask]
     run = run_passes(_Logits(model), args, ["attention"], training=True)
     run.check_eager()  # the logits of every position (padded rows too) and every parameter's gradient
@@ -120,28 +127,62 @@ def test_hf_eager_sliding_window_becomes_a_window_flag(family):
     assert len(find_ops(run.after, enn.attention)) == LAYERS
 
 
-def test_hf_eager_left_padding_structure_recorded_mask_kept():
-    """With padding, eager's finfo.min fill makes the padded query rows uniform over *all* keys:
-    the site keeps its bias tensor, and the report says what it is made of."""
-    run = _run("llama", "eager", padded=True)
+def _square(graph, t: int) -> list[str]:
+    """The nodes holding a ``[.., t, t]`` tensor in memory: a materialized mask (or scores), not a
+    broadcast of a smaller one (stride 0 along the query axis)."""
+    return [n.format_node() for n in graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)
+            and v.dim() >= 2 and tuple(v.shape[-2:]) == (t, t) and v.stride(-2) != 0]
+
+
+def _padding_bias(node) -> torch.fx.Node:
+    """The [B, 1, 1, Tk] tensor a kernel's bias argument is a broadcast of."""
+    while node.target in (torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor,
+                          torch.ops.aten.constant_pad_nd.default):
+        node = node.args[0]
+    return node
+
+
+# 13 keys: not a multiple of 8 (the bias is laid out aligned), and no head dim (16) equals it
+PADDED_SEQ = 13
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_hf_eager_padding_becomes_causal_flag_and_a_key_padding_bias(family, side):
+    """Eager's ``where(causal & padding, 0, finfo.min)`` reaches the kernel as is_causal plus a
+    [B, 1, 1, Tk] bias shared by both layers, forward and backward: no T x T tensor is left in the
+    graph. Left padding makes the first query rows of the padded sequence keep no key: eager's
+    softmax is uniform over all keys there, and its gradient flows through the absorbed scores;
+    _run checks every logit (those rows' too) and every gradient against eager's."""
+    mask = torch.ones(B, PADDED_SEQ, dtype=torch.long)
+    mask[1, slice(0, PADDED) if side == "left" else slice(PADDED_SEQ - PADDED, PADDED_SEQ)] = 0
+    run = _run(family, "eager", padded=True, mask=mask)
     got = [c for c in run.choices if c["choice"] == "cpu_flash"]
-    assert len(got) == LAYERS and all(c["mask_tensor"] == "causal + key padding [B, Tk], finfo.min fill" and c["bias"]
-                                      for c in got), got
+    assert len(got) == LAYERS and all(c["causal"] and c["key_padding"] and "mask_tensor" not in c for c in got), got
+    assert all("key-padding bias" in c["reason"] for c in got), got
+    kernels = find_ops(run.after, CPU_FLASH) + find_ops(run.after, CPU_FLASH_BWD)
+    assert len(kernels) == 2 * LAYERS and all(n.args[4 if n.target is CPU_FLASH else 7] for n in kernels)
+    (bias,) = {_padding_bias(n.kwargs["attn_mask"]) for n in kernels}
+    assert tuple(bias.meta["val"].shape) == (B, 1, 1, PADDED_SEQ), bias.format_node()
+    assert not _square(run.after, PADDED_SEQ)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_hf_eager_left_padding_structure_read_on_cuda():
-    """The mask's constants evaluate on the graph's device; their structure is read the same
-    way on CUDA as on the CPU (not "arbitrary")."""
-    model = _model("llama", "eager").cuda()
-    mask = torch.ones(B, SEQ, dtype=torch.long, device="cuda")
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_hf_eager_sliding_window_with_padding_becomes_a_window_flag_and_a_key_padding_bias(family):
+    """A window of 4 and a padding vector with a hole: query 9 of batch 0 keeps no key in its window
+    (keys 6..9 are padding, though keys 0..5 are not) -- a dead row a causal count would miss --
+    and the left-padded batch 1 starts with dead rows."""
+    mask = torch.ones(B, PADDED_SEQ, dtype=torch.long)
+    mask[0, 6:10] = 0
     mask[1, :PADDED] = 0
-    ids = torch.randint(3, 128, (B, SEQ), device="cuda").masked_fill(mask == 0, 0)
-    run = run_passes(_Logits(model), [ids, mask], ["attention"], training=True)
-    run.check_eager()
-    got = [c.get("mask_tensor") for c in run.choices if "mask_tensor" in c]
-    assert got == ["causal + key padding [B, Tk], finfo.min fill"] * LAYERS, got
+    run = _run(family, "eager", padded=True, window=4, mask=mask)
+    got = [c for c in run.choices if c.get("fused", True) and not c.get("sdpa_call")]
+    assert len(got) == LAYERS and all(c["causal"] and c["window"] == 4 and c["key_padding"] for c in got), got
+    ops = find_ops(run.after, enn.attention) + find_ops(run.after, enn.attention_backward)
+    assert len(ops) == 2 * LAYERS
+    (bias,) = {_padding_bias(n.args[3 if n.target is enn.attention.default else 4]) for n in ops}
+    assert tuple(bias.meta["val"].shape) == (B, 1, 1, PADDED_SEQ), bias.format_node()
+    assert not _square(run.after, PADDED_SEQ)
 
 
 # ----------------------------------------------------------------------------- near misses
