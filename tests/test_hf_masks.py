@@ -185,6 +185,44 @@ def test_hf_eager_sliding_window_with_padding_becomes_a_window_flag_and_a_key_pa
     assert not _square(run.after, PADDED_SEQ)
 
 
+class _AutocastLogits(_Logits):
+    def forward(self, ids, mask=None):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return super().forward(ids, mask)
+
+
+CUDNN = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seq", [24, PADDED_SEQ])
+def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_bias(seq, monkeypatch):
+    """HF LLaMA eager, left padding, bf16 autocast, the default CUDA order: cuDNN (Hopper) or
+    memory-efficient attention with is_causal and the [B, 1, 1, Tk] bias (13 keys: its rows laid
+    out at multiples of 8 elements), no T x T tensor in the graph; the mask's constants read as
+    on the CPU; logits -- the padded query rows, which keep no key, included -- and every gradient
+    equal eager's."""
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    model = _AutocastLogits(_model("llama", "eager").cuda())
+    mask = torch.ones(B, seq, dtype=torch.long, device="cuda")
+    mask[1, :PADDED] = 0
+    ids = torch.randint(3, 128, (B, seq), device="cuda").masked_fill(mask == 0, 0)
+    run = run_passes(model, [ids, mask], ["attention"], training=True)
+    got = [c for c in run.choices if not c.get("sdpa_call")]
+    assert len(got) == LAYERS and all(c["choice"] in ("cudnn", "efficient") and c["causal"] and c["key_padding"]
+                                      and "mask_tensor" not in c for c in got), got
+    kernels = find_ops(run.after, CUDNN) + find_ops(run.after, EFFICIENT)
+    assert len(kernels) == LAYERS and all(n.args[6] is True for n in kernels), [n.format_node() for n in kernels]
+    assert tuple(_padding_bias(kernels[0].args[3]).meta["val"].shape) == (B, 1, 1, seq)
+    assert not _square(run.after, seq)
+    with torch.no_grad():
+        want = model(ids, mask)
+    torch.testing.assert_close(run.output[1, :PADDED].float(), want[1, :PADDED].float(), atol=3e-2, rtol=3e-2)
+    run.check_eager(atol=3e-2, rtol=3e-2)
+
+
 # ----------------------------------------------------------------------------- near misses
 def _indices():
     b = torch.arange(B)[:, None, None, None]
@@ -278,17 +316,35 @@ def eager_segment_ids(q, k, v, pad):
     return _eager_attention((j <= i) & (seg[b, i] == seg[b, j]), q, k, v)
 
 
-@pytest.mark.parametrize("fn, want", [
-    (hf_eager_causal_padding, "causal + key padding [B, Tk], finfo.min fill"),
-    (eager_segment_ids, "arbitrary (a factor computed by eq.Tensor depends on tensors other than a key-padding vector)"),
+def hf_eager_causal_padding_neg_inf(q, k, v, pad):
+    """The same mask with a -inf fill: rows that keep no key are NaN in eager, not uniform."""
+    b, i, j = _indices()
+    bias = torch.where((j <= i) & pad.bool()[b, j], torch.tensor(0.0), float("-inf"))
+    return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias, dim=-1) @ v
+
+
+def test_hand_built_eager_causal_padding_becomes_flag_and_bias():
+    run = run_passes(hf_eager_causal_padding, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert c["causal"] and c["key_padding"] and "mask_tensor" not in c, c
+    run.check_eager()
+
+
+@pytest.mark.parametrize("fn, want, why", [
+    (eager_segment_ids, "arbitrary (a factor computed by eq.Tensor depends on tensors other than a key-padding vector)",
+     "a factor computed by eq.Tensor depends on tensors other than a key-padding vector"),
+    (hf_eager_causal_padding_neg_inf, "causal + key padding [B, Tk], -inf fill",
+     "a fill of -inf in torch.float32 does not absorb the scores"),
 ])
-def test_eager_finfo_min_masks_record_their_structure_or_why_not(fn, want):
-    """An eager site keeps its finfo.min mask tensor (rows with every key masked are uniform
-    over all keys in eager); the report says what the tensor is, or why it is arbitrary."""
+def test_eager_masks_that_are_not_band_and_key_padding_stay_tensors_with_the_reason(fn, want, why):
+    """A mask that depends on other data than a key-padding vector, or whose fill does not absorb
+    the scores, keeps its tensor: the report says what it is made of and why it was not taken."""
     run = run_passes(fn, [*qkv(), _left_padding()], ["attention"], training=True)
     (c,) = run.choices
-    assert c["mask_tensor"] == want and c["bias"], c
-    run.check_eager()
+    assert c["mask_tensor"] == want and c["bias"] and not c["key_padding"] and not c["causal"], c
+    assert f"not taken as flags + key padding: {why}" in c["reason"], c
+    if fn is eager_segment_ids:  # (-inf: eager's rows that keep no key are NaN, enn::attention's business)
+        run.check_eager()
 
 
 def test_a_mask_that_drops_every_key_is_not_a_band():

@@ -84,7 +84,7 @@ class AttentionPass(EnnPass):
         p = plan.problem
         if plan.provenance:
             reason += f"; mask tensor kept materialized, read from its provenance as: {plan.provenance}"
-            if "finfo.min fill" in plan.provenance:
+            if plan.padding_refused or "finfo.min fill" in plan.provenance:
                 reason += (" (not taken as flags + key padding: "
                            f"{plan.padding_refused or 'the site has other mask or bias terms besides it'})")
         ctx.kernel_choice(out, choice.backend.value, reason, causal=st.causal, window=st.window,

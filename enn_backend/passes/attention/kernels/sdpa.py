@@ -5,7 +5,10 @@ ALiBi / window, at most a provably finite bias (masks.finite_bias) -- the kernel
 what was written, and :class:`SdpaKernel` emits its ATen forward and backward ops themselves,
 wired as AOT Autograd wires them for ``F.scaled_dot_product_attention`` (the same ops, argument
 order and saved outputs): no custom op's per-call cost, and the backward reads the kernel's own
-saved statistics (no recompute). Otherwise these backends run inside ``enn::attention``
+saved statistics (no recompute). So does a causal site whose mask is key padding
+(key_padding.py): the kernel takes the ``[B, 1, 1, Tk]`` padding bias with its causal flag, and
+:class:`~..key_padding.DeadRows` gives the rows that keep no key eager's values and gradients.
+Otherwise these backends run inside ``enn::attention``
 (enn_op.py). The guard's eager reference runs each emitted op's safe path
 (custom_ops/attention.py, named per kernel in :data:`NATIVE`).
 """
