@@ -369,3 +369,48 @@ def test_finite_bias_provenance():
     assert not provenance.finite_bias(learned)  # a user tensor may hold -inf
     assert not provenance.finite_bias(node(aten.mul.Tensor, (learned, 2.0), torch.ones(2, 8)))  # still unknown
     assert not provenance.finite_bias(node(aten.add.Tensor, (hf, hf), torch.ones(2, 8)))  # finfo.min + finfo.min = -inf
+
+
+# ----------------------------------------------------------------------------- finfo.min masks of a band and key padding
+def hf_eager_gqa(window: int):
+    """transformers' eager attention, written out: ``repeat_kv`` (expand + reshape) of grouped K/V,
+    ``where(band & padding[b, j], 0, finfo.min)`` added to the scores, softmax in fp32."""
+    def attend(q, k, v, pad):
+        with torch.autocast("cpu", torch.bfloat16):
+            b, hkv, t, d = k.shape
+            rep = q.shape[1] // hkv
+            kk, vv = (x[:, :, None].expand(b, hkv, rep, t, d).reshape(b, hkv * rep, t, d) for x in (k, v))
+            i, j = torch.arange(t)[None, None, :, None], torch.arange(t)[None, None, None, :]
+            keep = (j <= i) & (j > i - window if window else True) & pad.bool()[torch.arange(b)[:, None, None, None], j]
+            mask = torch.where(keep, torch.tensor(0.0), torch.finfo(torch.float32).min)
+            att = torch.matmul(q, kk.transpose(2, 3)) * d ** -0.5 + mask
+            return torch.matmul(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), vv)
+    return attend
+
+
+@pytest.mark.parametrize("window", [0, 3], ids=["causal", "window3"])
+def test_finfo_min_band_and_key_padding_under_bf16_autocast(window):
+    """Grouped-query K/V, bf16 autocast: the mask reaches the kernel as its causal (window) flag and
+    a [B, 1, 1, T] bf16 bias (0 / -2**100); the rows that keep no key (batch 1's first three:
+    left padding; with the window also batch 0's row 7, whose window holds padding only) are
+    eager's uniform rows, with eager's gradients."""
+    t = 12
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, t, D, generator=g).requires_grad_()
+    k, v = (torch.randn(B, 2, t, D, generator=g).requires_grad_() for _ in range(2))
+    pad = torch.ones(B, t, dtype=torch.long)
+    pad[1, :3] = 0
+    pad[0, 4:8] = 0
+    run = run_passes(hf_eager_gqa(window), (q, k, v, pad), ["attention"], training=True)
+    assert run.matches == {"attention": 1}
+    (c,) = choices()
+    assert c["causal"] and c["window"] == window and c["key_padding"] and "mask_tensor" not in c, c
+    op, bias_at = (CPU_FLASH, None) if not window else (enn.attention.default, BIAS)
+    (kernel,) = find_ops(run.after, op)
+    bias = kernel.kwargs["attn_mask"] if bias_at is None else kernel.args[bias_at]
+    while bias.target in (aten.expand.default, aten.slice.Tensor, aten.constant_pad_nd.default):
+        bias = bias.args[0]
+    assert tuple(bias.meta["val"].shape) == (B, 1, 1, t) and bias.meta["val"].dtype == torch.bfloat16
+    assert not [n for n in run.after.nodes if isinstance(x := n.meta.get("val"), torch.Tensor)
+                and x.dim() == 4 and tuple(x.shape[-2:]) == (t, t) and x.stride(-2) != 0], "a T x T tensor is left"
+    run.check_eager(atol=3e-2, rtol=3e-2)

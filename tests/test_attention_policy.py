@@ -77,3 +77,19 @@ def test_every_emitted_sdpa_op_names_a_registered_safe_path(backend):
     assert kernel.safe_paths and all(name in SAFE_PATHS for name in kernel.safe_paths), kernel.safe_paths
     ops = {f"aten.{op._schema.name.split('::')[1]}.{op._overloadname}" for op in (kernel.forward, kernel.backward)}
     assert set(kernel.safe_paths) <= ops
+
+
+def test_policy_runs_a_causal_key_padding_site_as_cudnn_then_memory_efficient():
+    """A finfo.min mask of a band and key padding (key_padding.py): the causal flag plus a
+    [B, 1, 1, Tk] bias whose dead rows the pass fixes up, so fp16 is fine too. cuDNN on Hopper,
+    memory-efficient before it (flash takes no bias); a window with padding has no kernel that
+    takes both without a T x T tensor: Inductor."""
+    padded = dict(has_bias=True, bias_finite=True, key_padding=True, heads_kv=4)
+    assert choose(problem(**padded)).backend == "cudnn"
+    assert choose(problem(**padded, dtype="float16")).backend == "cudnn"
+    assert choose(problem(**padded, capability=(8, 0))).backend == "efficient"
+    assert choose(problem(**padded, capability=(8, 0), dtype="float16")).backend == "efficient"
+    assert choose(problem(**padded, head_dim=256, head_dim_v=256)).backend == "efficient"  # cuDNN: <= 128
+    assert choose(problem(**padded, window=64)).backend == "inductor"
+    assert choose(problem(has_bias=True, bias_finite=True)).backend == "efficient"  # any other bias: not cuDNN
+    assert NATIVE[Backend.CUDNN].takes_bias

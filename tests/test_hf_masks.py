@@ -53,14 +53,21 @@ def _model(family: str, impl: str, window: int = 0) -> torch.nn.Module:
     return model.train()
 
 
-def _run(family: str, impl: str, padded: bool, window: int = 0):
-    """The pass on the model's training graph; values and gradients checked against eager."""
+def _left_padded(seq: int = SEQ) -> torch.Tensor:
+    """Batched generation's layout: the second prompt padded on the left."""
+    mask = torch.ones(B, seq, dtype=torch.long)
+    mask[1, :PADDED] = 0
+    return mask
+
+
+def _run(family: str, impl: str, padded: bool, window: int = 0, mask: torch.Tensor | None = None):
+    """The pass on the model's training graph; values and gradients checked against eager.
+    ``mask``: the attention mask (default: left padding when ``padded``)."""
     model = _model(family, impl, window)
-    ids = torch.randint(3, 128, (B, SEQ))
+    mask = _left_padded() if padded and mask is None else mask
+    ids = torch.randint(3, 128, (B, SEQ if mask is None else mask.shape[1]))
     args = [ids]
-    if padded:  # batched generation's layout: the second prompt padded on the left
-        mask = torch.ones(B, SEQ, dtype=torch.long)
-        mask[1, :PADDED] = 0
+    if mask is not None:
         args = [ids.masked_fill(mask == 0, 0), mask]
     run = run_passes(_Logits(model), args, ["attention"], training=True)
     run.check_eager()  # the logits of every position (padded rows too) and every parameter's gradient
@@ -120,28 +127,100 @@ def test_hf_eager_sliding_window_becomes_a_window_flag(family):
     assert len(find_ops(run.after, enn.attention)) == LAYERS
 
 
-def test_hf_eager_left_padding_structure_recorded_mask_kept():
-    """With padding, eager's finfo.min fill makes the padded query rows uniform over *all* keys:
-    the site keeps its bias tensor, and the report says what it is made of."""
-    run = _run("llama", "eager", padded=True)
+def _square(graph, t: int) -> list[str]:
+    """The nodes holding a ``[.., t, t]`` tensor in memory: a materialized mask (or scores), not a
+    broadcast of a smaller one (stride 0 along the query axis)."""
+    return [n.format_node() for n in graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)
+            and v.dim() >= 2 and tuple(v.shape[-2:]) == (t, t) and v.stride(-2) != 0]
+
+
+def _padding_bias(node) -> torch.fx.Node:
+    """The [B, 1, 1, Tk] tensor a kernel's bias argument is a broadcast of."""
+    while node.target in (torch.ops.aten.expand.default, torch.ops.aten.slice.Tensor,
+                          torch.ops.aten.constant_pad_nd.default):
+        node = node.args[0]
+    return node
+
+
+# 13 keys: not a multiple of 8 (the bias is laid out aligned), and no head dim (16) equals it
+PADDED_SEQ = 13
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_hf_eager_padding_becomes_causal_flag_and_a_key_padding_bias(family, side):
+    """Eager's ``where(causal & padding, 0, finfo.min)`` reaches the kernel as is_causal plus a
+    [B, 1, 1, Tk] bias shared by both layers, forward and backward: no T x T tensor is left in the
+    graph. Left padding makes the first query rows of the padded sequence keep no key: eager's
+    softmax is uniform over all keys there, and its gradient flows through the absorbed scores;
+    _run checks every logit (those rows' too) and every gradient against eager's."""
+    mask = torch.ones(B, PADDED_SEQ, dtype=torch.long)
+    mask[1, slice(0, PADDED) if side == "left" else slice(PADDED_SEQ - PADDED, PADDED_SEQ)] = 0
+    run = _run(family, "eager", padded=True, mask=mask)
     got = [c for c in run.choices if c["choice"] == "cpu_flash"]
-    assert len(got) == LAYERS and all(c["mask_tensor"] == "causal + key padding [B, Tk], finfo.min fill" and c["bias"]
-                                      for c in got), got
+    assert len(got) == LAYERS and all(c["causal"] and c["key_padding"] and "mask_tensor" not in c for c in got), got
+    assert all("key-padding bias" in c["reason"] for c in got), got
+    kernels = find_ops(run.after, CPU_FLASH) + find_ops(run.after, CPU_FLASH_BWD)
+    assert len(kernels) == 2 * LAYERS and all(n.args[4 if n.target is CPU_FLASH else 7] for n in kernels)
+    (bias,) = {_padding_bias(n.kwargs["attn_mask"]) for n in kernels}
+    assert tuple(bias.meta["val"].shape) == (B, 1, 1, PADDED_SEQ), bias.format_node()
+    assert not _square(run.after, PADDED_SEQ)
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_hf_eager_sliding_window_with_padding_becomes_a_window_flag_and_a_key_padding_bias(family):
+    """A window of 4 and a padding vector with a hole: query 9 of batch 0 keeps no key in its window
+    (keys 6..9 are padding, though keys 0..5 are not) -- a dead row a causal count would miss --
+    and the left-padded batch 1 starts with dead rows."""
+    mask = torch.ones(B, PADDED_SEQ, dtype=torch.long)
+    mask[0, 6:10] = 0
+    mask[1, :PADDED] = 0
+    run = _run(family, "eager", padded=True, window=4, mask=mask)
+    got = [c for c in run.choices if c.get("fused", True) and not c.get("sdpa_call")]
+    assert len(got) == LAYERS and all(c["causal"] and c["window"] == 4 and c["key_padding"] for c in got), got
+    ops = find_ops(run.after, enn.attention) + find_ops(run.after, enn.attention_backward)
+    assert len(ops) == 2 * LAYERS
+    (bias,) = {_padding_bias(n.args[3 if n.target is enn.attention.default else 4]) for n in ops}
+    assert tuple(bias.meta["val"].shape) == (B, 1, 1, PADDED_SEQ), bias.format_node()
+    assert not _square(run.after, PADDED_SEQ)
+
+
+class _AutocastLogits(_Logits):
+    def forward(self, ids, mask=None):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return super().forward(ids, mask)
+
+
+CUDNN = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_hf_eager_left_padding_structure_read_on_cuda():
-    """The mask's constants evaluate on the graph's device; their structure is read the same
-    way on CUDA as on the CPU (not "arbitrary")."""
-    model = _model("llama", "eager").cuda()
-    mask = torch.ones(B, SEQ, dtype=torch.long, device="cuda")
+@pytest.mark.parametrize("seq", [24, PADDED_SEQ])
+def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_bias(seq, monkeypatch):
+    """HF LLaMA eager, left padding, bf16 autocast, the default CUDA order: cuDNN (Hopper) or
+    memory-efficient attention with is_causal and the [B, 1, 1, Tk] bias (13 keys: its rows laid
+    out at multiples of 8 elements), no T x T tensor in the graph; the mask's constants read as
+    on the CPU; logits -- the padded query rows, which keep no key, included -- and every gradient
+    equal eager's."""
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    model = _AutocastLogits(_model("llama", "eager").cuda())
+    mask = torch.ones(B, seq, dtype=torch.long, device="cuda")
     mask[1, :PADDED] = 0
-    ids = torch.randint(3, 128, (B, SEQ), device="cuda").masked_fill(mask == 0, 0)
-    run = run_passes(_Logits(model), [ids, mask], ["attention"], training=True)
-    run.check_eager()
-    got = [c.get("mask_tensor") for c in run.choices if "mask_tensor" in c]
-    assert got == ["causal + key padding [B, Tk], finfo.min fill"] * LAYERS, got
+    ids = torch.randint(3, 128, (B, seq), device="cuda").masked_fill(mask == 0, 0)
+    run = run_passes(model, [ids, mask], ["attention"], training=True)
+    got = [c for c in run.choices if not c.get("sdpa_call")]
+    assert len(got) == LAYERS and all(c["choice"] in ("cudnn", "efficient") and c["causal"] and c["key_padding"]
+                                      and "mask_tensor" not in c for c in got), got
+    kernels = find_ops(run.after, CUDNN) + find_ops(run.after, EFFICIENT)
+    assert len(kernels) == LAYERS and all(n.args[6] is True for n in kernels), [n.format_node() for n in kernels]
+    assert tuple(_padding_bias(kernels[0].args[3]).meta["val"].shape) == (B, 1, 1, seq)
+    assert not _square(run.after, seq)
+    with torch.no_grad():
+        want = model(ids, mask)
+    torch.testing.assert_close(run.output[1, :PADDED].float(), want[1, :PADDED].float(), atol=3e-2, rtol=3e-2)
+    run.check_eager(atol=3e-2, rtol=3e-2)
 
 
 # ----------------------------------------------------------------------------- near misses
@@ -237,17 +316,35 @@ def eager_segment_ids(q, k, v, pad):
     return _eager_attention((j <= i) & (seg[b, i] == seg[b, j]), q, k, v)
 
 
-@pytest.mark.parametrize("fn, want", [
-    (hf_eager_causal_padding, "causal + key padding [B, Tk], finfo.min fill"),
-    (eager_segment_ids, "arbitrary (a factor computed by eq.Tensor depends on tensors other than a key-padding vector)"),
+def hf_eager_causal_padding_neg_inf(q, k, v, pad):
+    """The same mask with a -inf fill: rows that keep no key are NaN in eager, not uniform."""
+    b, i, j = _indices()
+    bias = torch.where((j <= i) & pad.bool()[b, j], torch.tensor(0.0), float("-inf"))
+    return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + bias, dim=-1) @ v
+
+
+def test_hand_built_eager_causal_padding_becomes_flag_and_bias():
+    run = run_passes(hf_eager_causal_padding, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert c["causal"] and c["key_padding"] and "mask_tensor" not in c, c
+    run.check_eager()
+
+
+@pytest.mark.parametrize("fn, want, why", [
+    (eager_segment_ids, "arbitrary (a factor computed by eq.Tensor depends on tensors other than a key-padding vector)",
+     "a factor computed by eq.Tensor depends on tensors other than a key-padding vector"),
+    (hf_eager_causal_padding_neg_inf, "causal + key padding [B, Tk], -inf fill",
+     "a fill of -inf in torch.float32 does not absorb the scores"),
 ])
-def test_eager_finfo_min_masks_record_their_structure_or_why_not(fn, want):
-    """An eager site keeps its finfo.min mask tensor (rows with every key masked are uniform
-    over all keys in eager); the report says what the tensor is, or why it is arbitrary."""
+def test_eager_masks_that_are_not_band_and_key_padding_stay_tensors_with_the_reason(fn, want, why):
+    """A mask that depends on other data than a key-padding vector, or whose fill does not absorb
+    the scores, keeps its tensor: the report says what it is made of and why it was not taken."""
     run = run_passes(fn, [*qkv(), _left_padding()], ["attention"], training=True)
     (c,) = run.choices
-    assert c["mask_tensor"] == want and c["bias"], c
-    run.check_eager()
+    assert c["mask_tensor"] == want and c["bias"] and not c["key_padding"] and not c["causal"], c
+    assert f"not taken as flags + key padding: {why}" in c["reason"], c
+    if fn is eager_segment_ids:  # (-inf: eager's rows that keep no key are NaN, enn::attention's business)
+        run.check_eager()
 
 
 def test_a_mask_that_drops_every_key_is_not_a_band():

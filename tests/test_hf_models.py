@@ -64,7 +64,8 @@ def _llama():
 
 MODELS = {"gpt2": _gpt2, "gpt2_left_padded": _gpt2_left_padded, "bert": _bert, "llama": _llama}
 # Without an attention mask transformers' mask is constant (causal): it becomes the causal flag.
-# With one it is a finfo.min bias the kernel gets as a tensor (tests/test_hf_masks.py).
+# With one it is where(band & padding, 0, finfo.min): the band's flag and a [B, 1, 1, Tk] key-padding
+# bias (tests/test_hf_masks.py).
 CAUSAL_FLAG = {"gpt2", "llama"}
 
 
@@ -109,8 +110,8 @@ def test_hf_attention_fused_cpu(name):
     assert all(EMITTED in c["reason"] for c in choices), choices
     if name in CAUSAL_FLAG:
         assert all(c["causal"] and not c["bias"] for c in choices), choices
-    else:
-        assert all("-2**100" in c["reason"] for c in choices), choices  # HF's padding masks are finfo.min-based
+    else:  # HF's padding masks: where(band & padding, 0, finfo.min)
+        assert all(c["key_padding"] and c["causal"] == (name == "gpt2_left_padded") for c in choices), choices
 
 
 def test_hf_left_padded_explicit_math_cpu():
@@ -140,15 +141,17 @@ def test_hf_left_padded_inference_cpu():
 @pytest.mark.parametrize("autocast", [True, False], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_hf_attention_gpu(name, autocast):
-    """Default CUDA policy. A mask built from an attention mask input is a finfo.min bias, which
-    can mask whole rows of a left-padded batch: it becomes SDPA's memory-efficient kernel with
-    the mask floored at SATURATED_FLOOR. Without one the mask is constant and causal: the causal
-    flag, on flash / cuDNN in bf16 (efficient in fp32). Loss and gradients equal eager, the
-    padded rows included."""
+    """Default CUDA policy. A mask built from an attention mask input is where(band & padding, 0,
+    finfo.min), which can mask whole rows of a left-padded batch: it becomes the band's flag and a
+    [B, 1, 1, Tk] padding bias on cuDNN in bf16 (memory-efficient in fp32), the rows that keep no
+    key fixed up in closed form. Without one the mask is constant and causal: the causal flag, on
+    flash / cuDNN in bf16 (efficient in fp32). Loss and gradients equal eager, the padded rows
+    included."""
     choices = _check(name, "cuda", {}, autocast=autocast)
     if name in CAUSAL_FLAG:
         assert all(c["causal"] and not c["bias"] for c in choices), choices
         assert {c["choice"] for c in choices} <= ({"cudnn", "flash"} if autocast else {"efficient"}), choices
     else:
-        assert {c["choice"] for c in choices} == {"efficient"}, choices
+        assert all(c["key_padding"] for c in choices), choices
+        assert {c["choice"] for c in choices} <= ({"cudnn", "efficient"} if autocast else {"efficient"}), choices
     assert all(EMITTED in c["reason"] for c in choices), choices

@@ -84,11 +84,11 @@ class AttentionPass(EnnPass):
         p = plan.problem
         if plan.provenance:
             reason += f"; mask tensor kept materialized, read from its provenance as: {plan.provenance}"
-            if "finfo.min fill" in plan.provenance:
-                reason += (" (with a finfo.min fill a row whose keys are all masked is uniform over all keys in "
-                           "eager, which no causal / window flag reproduces)")
+            if plan.padding_refused or "finfo.min fill" in plan.provenance:
+                reason += (" (not taken as flags + key padding: "
+                           f"{plan.padding_refused or 'the site has other mask or bias terms besides it'})")
         ctx.kernel_choice(out, choice.backend.value, reason, causal=st.causal, window=st.window,
                           gqa=p.heads_q != p.heads_kv, mask=p.has_mask, bias=p.has_bias, alibi=p.alibi,
-                          training=bool(plan.regions.grads), **tensors)
+                          key_padding=p.key_padding, training=bool(plan.regions.grads), **tensors)
         ctx.fusion("attention")
         return 1

@@ -19,6 +19,7 @@ from ...custom_ops.attention import Backend
 from ...options import Options
 from ..fx_utils import shape, val
 from ..manager import current_module_state
+from .key_padding import KeyPadding, take
 from .kernels import Kernel, kernel_for
 from .constants import Dims
 from .masks import Structure, classify
@@ -47,7 +48,9 @@ class Plan:
     kernel: Kernel
     masked_rows: str  # enn::attention's fully-masked-row semantics ("eager" | "zero")
     refusal: str = ""  # why the chosen kernel cannot take this site ("" when it can)
-    provenance: str = ""  # what the mask tensors left to the kernel are made of (masks.tensor_provenance)
+    provenance: str = ""  # what the mask tensors left to the kernel are made of (provenance.tensor_provenance)
+    padding: Optional[KeyPadding] = None  # a finfo.min mask taken as band flags + key padding (key_padding.py)
+    padding_refused: str = ""  # why a finfo.min mask of a band and key padding stays a tensor
 
     @property
     def backend(self) -> Backend:
@@ -76,7 +79,8 @@ def _bias_shape(st: Structure, three_d: bool) -> Optional[tuple]:
     return (out[0], 1) + out[1:] if three_d and len(out) == 3 else out
 
 
-def _problem(m: Match, k: fx.Node, v: fx.Node, st: Structure, bias_grad: bool, training: bool) -> AttentionProblem:
+def _problem(m: Match, k: fx.Node, v: fx.Node, st: Structure, bias_grad: bool, training: bool,
+             padding: bool) -> AttentionProblem:
     qv, kv, vv = val(m.q), val(k), val(v)
     dev = qv.device
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" and torch.cuda.is_available() else (0, 0)
@@ -86,9 +90,9 @@ def _problem(m: Match, k: fx.Node, v: fx.Node, st: Structure, bias_grad: bool, t
         device=dev.type, capability=tuple(cap), dtype=str(m.dtype).removeprefix("torch."),
         head_dim=_hint(qv.shape[-1]), head_dim_v=_hint(vv.shape[-1]), tq=_hint(qv.shape[-2]), tk=_hint(kv.shape[-2]),
         heads_q=heads_q, heads_kv=heads_kv, causal=st.causal, window=st.window,
-        has_mask=bool(st.keep), has_bias=st.has_bias, bias_grad=bias_grad, alibi=st.alibi is not None,
-        training=training, bias_finite=st.bias_finite(), bias_may_saturate=st.bias_may_saturate(),
-        static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])))
+        has_mask=bool(st.keep), has_bias=st.has_bias or padding, bias_grad=bias_grad, alibi=st.alibi is not None,
+        training=training, bias_finite=padding or st.bias_finite(), bias_may_saturate=st.bias_may_saturate(),
+        static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])), key_padding=padding)
 
 
 def _refusal(m: Match, st: Structure, backend: Backend, v: fx.Node) -> str:
@@ -116,6 +120,7 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
     tq, tk = shape(m.q)[-2], shape(k)[-2]
     dims = Dims(tq, tk, 1 if m.three_d else shape(m.q)[1])
     st = classify(m.masks, m.bias_terms, dims, current_module_state())
+    padding, padding_refused = take(st, m, dims, current_module_state())
     if st.causal and tq != tk:
         raise Skip("causal mask with Tq != Tk (SDPA's causal is top-left aligned)")
     terms = _terms(st)
@@ -125,7 +130,7 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
     if st.alibi is not None and len(inputs) - 1 in grads:
         raise Skip("ALiBi slopes that need a gradient")
     bias_grad = any(i >= 3 for i in grads)
-    problem = _problem(m, k, v, st, bias_grad, bool(grads))
+    problem = _problem(m, k, v, st, bias_grad, bool(grads), padding is not None)
     choice = choose(problem, opts.attention_backend, opts.attention_order)
     bias_shape = _bias_shape(st, m.three_d)
     refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, v)
@@ -134,4 +139,4 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
         for t in [b.node for b in st.bias] + [t.cond for t in st.keep + st.floors if t.keep_when_true])))
     return Plan(m, k, v, rep, st, regions, bias_grad, terms, problem, choice,
                 kernel_for(choice.backend, problem, bias_shape[-1] if bias_shape else None),
-                "zero" if opts.masked_rows == "zero" else "eager", refusal, provenance)
+                "zero" if opts.masked_rows == "zero" else "eager", refusal, provenance, padding, padding_refused)

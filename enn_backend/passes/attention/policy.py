@@ -54,6 +54,11 @@ def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
         # ALiBi / window structure goes to FlexAttention in the graph; where flex cannot take it
         # (dynamic shapes, head dim), enn::attention would run it through a materialized bias.
         return True, "CUDA ALiBi/window that FlexAttention cannot take here: " + check_flex(p)[1]
+    if p.device == "cuda" and p.key_padding and p.window > 0:
+        # SDPA's kernels have no window flag and flex takes no padding bias: the window would be
+        # materialized inside enn::attention, measured slower than Inductor (below).
+        return True, ("CUDA sliding window + key padding: no kernel here takes both without a T x T tensor; "
+                      "Inductor's fused code")
     if p.device == "cuda" and (p.has_mask or (p.has_bias and (p.bias_grad or not p.bias_finite or (
             p.bias_may_saturate and p.dtype == "float16")))):
         # A boolean mask, a bias that may hold -inf or one that needs a gradient runs inside

@@ -141,16 +141,23 @@ def _number(n: Any, ev: Constants) -> Optional[float]:
     return scalar(n)
 
 
+def additive_mask_fill(n: fx.Node, state: Optional[ModuleState]) -> Optional[float]:
+    """The fill of the additive mask ``where(keep, 0, fill)`` transformers' ``eager_mask`` builds
+    (-inf or a ``finfo.min``-sized number; ``keep`` is ``n.args[0]``), None for any other tensor."""
+    if not is_call(n, aten.where.self):
+        return None
+    ev = Constants(state)
+    with compat.real_tensor_mode():
+        return _fill(_number(n.args[2], ev)) if _number(n.args[1], ev) == 0.0 else None
+
+
 def tensor_provenance(n: fx.Node, dims: Dims, batch: Any, state: Optional[ModuleState]) -> str:
     """What a mask tensor left to the kernels is made of: a boolean keep-mask, or the additive
     ``where(keep, 0, fill)`` transformers' ``eager_mask`` builds (``finfo.min`` fill), described
     by :func:`keep_structure`; or "arbitrary" and why; "" for a tensor that is not such a mask."""
     cond, fill = n, ""
     if tensor_dtype(n) != torch.bool:
-        ev = Constants(state)
-        with compat.real_tensor_mode():
-            value = _fill(_number(n.args[2], ev)) if is_call(n, aten.where.self) and _number(
-                n.args[1], ev) == 0.0 else None
+        value = additive_mask_fill(n, state)
         if value is None:
             return ""  # not a mask: a bias (learned, relative positions, HF's (1 - mask) * finfo.min)
         cond, fill = n.args[0], (", -inf fill" if value == float("-inf") else ", finfo.min fill")

@@ -8,19 +8,20 @@ import torch.fx as fx
 
 from ..fx_utils import follow_layout, is_call, shape, tensor_dtype
 from .emitter import Emitter, Operands
+from .key_padding import padding_bias
 from .plan import Plan
 
 aten = torch.ops.aten
 
 
 def _operands(em: Emitter, plan: Plan) -> Operands:
-    """q / k / v (4-D, in the matmul dtype), the bias (terms + finfo.min masks added), the keep-mask
-    (boolean masks and-ed) and the ALiBi slopes."""
+    """q / k / v (4-D, in the matmul dtype), the bias (terms + finfo.min masks added, or the key-padding
+    bias), the keep-mask (boolean masks and-ed) and the ALiBi slopes."""
     m, st = plan.match, plan.structure
     q, k, v = (em.cast(t, m.dtype) for t in (m.q, plan.k, plan.v))
     if m.three_d:
         q, k, v = (em.call(aten.unsqueeze.default, (t, 1)) for t in (q, k, v))
-    bias = None
+    bias = padding_bias(em, plan.padding, m.dtype) if plan.padding is not None else None
     for term, factor in st.bias:
         t = term if factor == 1.0 else em.call(aten.mul.Tensor, (term, factor))
         bias = t if bias is None else em.call(aten.add.Tensor, (bias, t))

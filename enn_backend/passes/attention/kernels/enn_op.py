@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ..emitter import Emitter, Operands
+from ..key_padding import DeadRows
 from ..problem import AttentionProblem
 
 if TYPE_CHECKING:
@@ -33,10 +34,11 @@ class EnnOpKernel:
         st = plan.structure
         self.static = (float(plan.match.scale), st.causal, int(st.window))
         self.out = self.lse = None
+        self.dead = DeadRows(em, plan.padding, ops.q, ops.k, ops.v, self.static[0]) if plan.padding else None
 
     @staticmethod
     def reason(plan: "Plan") -> str:
-        return ""
+        return "" if plan.padding is None else "; with " + plan.padding.describe()
 
     def forward(self) -> fx.Node:
         o, (scale, causal, window) = self.ops, self.static
@@ -44,11 +46,13 @@ class EnnOpKernel:
                            (o.q, o.k, o.v, o.bias, o.mask, o.alibi, scale, causal, window, 0.0, self.plan.masked_rows,
                             self.plan.backend.value))
         self.out, self.lse = self.em.items(fwd, 2)
-        return self.out
+        return self.out if self.dead is None else self.dead.forward(self.out)
 
     def backward(self, g: fx.Node, before: fx.Node) -> list[fx.Node]:
         o, (scale, causal, window) = self.ops, self.static
+        g_op = g if self.dead is None else self.dead.kernel_grad(g, before)
         b = self.em.call(torch.ops.enn.attention_backward.default,
-                         (g, o.q, o.k, o.v, o.bias, o.mask, o.alibi, self.out, self.lse, scale, causal, window,
+                         (g_op, o.q, o.k, o.v, o.bias, o.mask, o.alibi, self.out, self.lse, scale, causal, window,
                           self.plan.masked_rows, self.plan.backend.value, self.plan.bias_grad), before=before)
-        return self.em.items(b, 4, before)
+        grads = self.em.items(b, 4, before)
+        return grads if self.dead is None else self.dead.grads(g, *grads[:3], before) + grads[3:]

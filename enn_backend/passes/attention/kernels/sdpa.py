@@ -1,13 +1,16 @@
 """SDPA's kernels: flash, cuDNN, memory-efficient and math on CUDA, flash on CPU.
 
 Checkers: metadata in, (ok, reason) out. Where no row can be fully masked -- no boolean mask, no
-ALiBi / window, at most a provably finite bias (masks.finite_bias) -- the kernel computes exactly
+ALiBi / window, at most a provably finite bias (provenance.finite_bias) -- the kernel computes exactly
 what was written, and :class:`SdpaKernel` emits its ATen forward and backward ops themselves,
 wired as AOT Autograd wires them for ``F.scaled_dot_product_attention`` (the same ops, argument
 order and saved outputs): no custom op's per-call cost, and the backward reads the kernel's own
-saved statistics (no recompute). Otherwise these backends run inside ``enn::attention``
+saved statistics (no recompute). So does a causal site whose mask is key padding
+(key_padding.py): the kernel takes the ``[B, 1, 1, Tk]`` padding bias with its causal flag, and
+:class:`~..key_padding.DeadRows` gives the rows that keep no key eager's values and gradients.
+Otherwise these backends run inside ``enn::attention``
 (enn_op.py). The guard's eager reference runs each emitted op's safe path
-(custom_ops/attention.py, named per kernel in :data:`NATIVE`).
+(custom_ops/attention/safe_paths.py, named per kernel in :data:`NATIVE`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from .... import compat
 from ....custom_ops.attention import SATURATED, SATURATED_FLOOR, Backend, floors_saturated
 from ...fx_utils import is_call, shape, tensor_dtype, val
 from ..emitter import Emitter, Operands
+from ..key_padding import DeadRows
 from ..problem import AttentionProblem
 
 if TYPE_CHECKING:
@@ -65,12 +69,13 @@ def check_cudnn(p: AttentionProblem) -> tuple[bool, str]:
         return False, f"cuDNN attention needs fp16/bf16, have {p.dtype}"
     if p.window > 0 or p.alibi:
         return False, "cuDNN (SDPA) has no sliding window or ALiBi"
-    if p.has_mask or p.has_bias:
-        return False, "enn runs cuDNN attention without a mask or bias tensor (bias goes to memory-efficient)"
+    if p.has_mask or (p.has_bias and not p.key_padding):
+        return False, ("enn runs cuDNN attention with no mask or bias tensor but a key-padding bias "
+                       "(other biases go to memory-efficient)")
     if p.head_dim > 128 or p.head_dim % 8 or p.head_dim != p.head_dim_v:
         return False, f"cuDNN needs equal head dims, a multiple of 8, <= 128 (have {p.head_dim}/{p.head_dim_v})"
     # Grouped-query K/V: like flash, the kernel reads the graph's repeated K/V (SdpaKernel).
-    return True, "SDPA cuDNN: Hopper, fp16/bf16"
+    return True, "SDPA cuDNN: Hopper, fp16/bf16" + (", a [B, 1, 1, Tk] key-padding bias" if p.key_padding else "")
 
 
 def check_efficient(p: AttentionProblem) -> tuple[bool, str]:
@@ -131,7 +136,7 @@ class NativeKernel(NamedTuple):
     takes_bias: bool
     forward_args: Callable[[Call], tuple[tuple, dict]]
     backward_args: Callable[[Call], tuple[tuple, dict]]
-    safe_paths: tuple[str, ...]  # emitted ops with a safe path (custom_ops/attention.py) for the guard
+    safe_paths: tuple[str, ...]  # emitted ops with a safe path (custom_ops/attention/safe_paths.py) for the guard
 
 
 def _flash_bwd(c: Call) -> tuple[tuple, dict]:
@@ -146,7 +151,7 @@ def _flash_bwd(c: Call) -> tuple[tuple, dict]:
 def _cudnn_bwd(c: Call) -> tuple[tuple, dict]:
     tq, tk = c.sizes()
     out, lse, sv = c.saved[0], c.saved[1], c.saved
-    return (c.g, c.q, c.k, c.v, out, lse, sv[6], sv[7], None, None, None, tq, tk, 0.0, c.causal), {"scale": c.scale}
+    return (c.g, c.q, c.k, c.v, out, lse, sv[6], sv[7], c.bias, None, None, tq, tk, 0.0, c.causal), {"scale": c.scale}
 
 
 # Backend -> its ATen ops. Not covered by a safe path: the CUDA forward kernels (flash / cuDNN
@@ -159,7 +164,7 @@ NATIVE: dict[Backend, NativeKernel] = {
         ("aten._scaled_dot_product_flash_attention_backward.default",)),
     Backend.CUDNN: NativeKernel(
         aten._scaled_dot_product_cudnn_attention.default, 8, aten._scaled_dot_product_cudnn_attention_backward.default,
-        False, lambda c: ((c.q, c.k, c.v, None, True, 0.0, c.causal, False), {"scale": c.scale}), _cudnn_bwd,
+        True, lambda c: ((c.q, c.k, c.v, c.bias, True, 0.0, c.causal, False), {"scale": c.scale}), _cudnn_bwd,
         ("aten._scaled_dot_product_cudnn_attention_backward.default",)),
     Backend.EFFICIENT: NativeKernel(
         aten._scaled_dot_product_efficient_attention.default, 4,
@@ -183,7 +188,8 @@ def can_emit(backend: Backend, p: AttentionProblem, bias_last_dim: Any) -> bool:
 
     That op's Python body exists for what the kernels do not do themselves: boolean masks,
     ALiBi / window structure, the NaN of a row whose keys are all masked. A bias qualifies only
-    if it cannot hold -inf (and needs no gradient), in the kernels' alignment (else SDPA pads a copy).
+    if it cannot hold -inf (and needs no gradient), in the kernels' alignment (else SDPA pads a copy);
+    the key-padding bias is laid out aligned (key_padding.padding_bias).
     """
     kernel = NATIVE.get(backend)
     if kernel is None or p.has_mask or p.alibi or p.window > 0:
@@ -192,7 +198,7 @@ def can_emit(backend: Backend, p: AttentionProblem, bias_last_dim: Any) -> bool:
         return True
     if not kernel.takes_bias or p.bias_grad or not p.bias_finite:
         return False
-    return isinstance(bias_last_dim, int) and bias_last_dim % 8 == 0
+    return p.key_padding or (isinstance(bias_last_dim, int) and bias_last_dim % 8 == 0)
 
 
 # ----------------------------------------------------------------------------- emission
@@ -208,9 +214,12 @@ class SdpaKernel:
             self.k, self.v = (em.cast(t, m.dtype) for t in (m.k, m.v))
         self.bias = self._kernel_bias(ops.bias)
         self.saved: list = []
+        self.dead = DeadRows(em, plan.padding, ops.q, ops.k, ops.v, float(m.scale)) if plan.padding else None
 
     @staticmethod
     def reason(plan: "Plan") -> str:
+        if plan.padding is not None:
+            return "; emitted as the ATen kernel itself, with " + plan.padding.describe()
         why = "; emitted as the ATen kernel itself (no fully-masked row is possible)"
         if plan.problem.bias_may_saturate and floors_saturated(plan.match.dtype):
             why += ("; finfo.min-sized bias values handed to the kernel as -2**100, so rows masked "
@@ -226,18 +235,20 @@ class SdpaKernel:
         args, kwargs = self.kernel.forward_args(self._call(None))
         node = self.em.call(self.kernel.forward, args, kwargs)
         self.saved = self.em.items(node, self.kernel.outputs)
-        return self.saved[0]
+        return self.saved[0] if self.dead is None else self.dead.forward(self.saved[0])
 
     def backward(self, g: fx.Node, before: fx.Node) -> list[fx.Node]:
-        em = self.em
-        if self.bias is not None:  # a provably finite bias: no dead rows, but maybe saturated ones
+        em, g_kernel = self.em, g
+        if self.dead is not None:  # the dead rows' gradients are added in closed form below
+            g_kernel = self.dead.kernel_grad(g, before)
+        elif self.bias is not None:  # a provably finite bias: no dead rows, but maybe saturated ones
             scaled = em.call(aten.div.Tensor, (g, self._saturated_counts(before)), before=before)
-            g = em.cast(scaled, tensor_dtype(g), before)
-        args, kwargs = self.kernel.backward_args(self._call(g))
+            g_kernel = em.cast(scaled, tensor_dtype(g), before)
+        args, kwargs = self.kernel.backward_args(self._call(g_kernel))
         dq, dk, dv = em.items(em.call(self.kernel.backward, args, kwargs, before=before), 3, before)
         if self.k is not self.ops.k:  # sum the repeated heads' gradients back onto the K/V heads
             dk, dv = (self._fold_heads(t, before) for t in (dk, dv))
-        return [dq, dk, dv]
+        return [dq, dk, dv] if self.dead is None else self.dead.grads(g, dq, dk, dv, before)
 
     def _kernel_bias(self, bias: Optional[fx.Node]) -> Optional[fx.Node]:
         """The bias in the kernel's dtype and 4-D shape, as custom_ops.attention.kernel_bias
@@ -249,15 +260,16 @@ class SdpaKernel:
             return None
         em, q, k = self.em, self.ops.q, self.k
         dt = tensor_dtype(q)
-        if floors_saturated(dt):
-            above = em.call(aten.gt.Scalar, (bias, SATURATED))
-            bias = em.call(aten.where.ScalarOther, (above, bias, SATURATED_FLOOR))
-            if tensor_dtype(bias) != dt:
+        if self.plan.padding is None:  # key_padding.padding_bias is in the kernel's dtype and floor already
+            if floors_saturated(dt):
+                above = em.call(aten.gt.Scalar, (bias, SATURATED))
+                bias = em.call(aten.where.ScalarOther, (above, bias, SATURATED_FLOOR))
+                if tensor_dtype(bias) != dt:
+                    bias = em.call(aten.clamp_max.default, (bias, torch.finfo(dt).max))
+            elif tensor_dtype(bias) != dt:
+                bias = em.call(aten.clamp_min.default, (bias, torch.finfo(dt).min))
                 bias = em.call(aten.clamp_max.default, (bias, torch.finfo(dt).max))
-        elif tensor_dtype(bias) != dt:
-            bias = em.call(aten.clamp_min.default, (bias, torch.finfo(dt).min))
-            bias = em.call(aten.clamp_max.default, (bias, torch.finfo(dt).max))
-        bias = em.cast(bias, dt)
+            bias = em.cast(bias, dt)
         while len(shape(bias)) < 4:
             bias = em.call(aten.unsqueeze.default, (bias, 0))
         qs, ks = shape(q), shape(k)
@@ -267,7 +279,7 @@ class SdpaKernel:
 
     def _saturated_counts(self, before: fx.Node) -> fx.Node:
         """enn::attention's ``saturated_counts`` of the kernel's bias, as graph nodes (see
-        custom_ops/attention.py): per query row, the number of keys at the row's largest bias
+        custom_ops/attention/masks.py): per query row, the number of keys at the row's largest bias
         when that bias absorbs the scores, else 1. The backward kernels recompute P from the
         saved log-sum-exp and give such rows ``count`` times eager's gradients."""
         em = self.em
