@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         writable = os.access(cache, os.W_OK) if os.path.isdir(cache) else os.access(os.path.dirname(cache) or ".", os.W_OK)
         print(f"enn cache dir: {cache} ({'writable' if writable else 'NOT writable: kernel state will not persist'})")
         print(_kernel_state(opts))
-        print(f"enn repro dir: {os.path.abspath(opts.repro_dir)}")
+        print(f"enn repro dir: {os.path.abspath(opts.resolved_repro_dir())}")
     except OptionsError as exc:
         ok = False
         print(f"options: ERROR {exc}")

@@ -169,7 +169,7 @@ def test_each_test_has_its_own_enn_state(tmp_path):
     """conftest.py gives every test its own kernel-state and repro folders (nothing is shared
     with another test, nor with the user's ~/.cache/enn)."""
     opts = Options.from_sources()
-    for folder in (opts.resolved_cache_dir(), opts.repro_dir):
+    for folder in (opts.resolved_cache_dir(), opts.resolved_repro_dir()):
         assert os.path.commonpath([folder, str(tmp_path)]) == str(tmp_path), (folder, tmp_path)
 
 
