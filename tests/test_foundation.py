@@ -255,7 +255,19 @@ def test_enn_disable_is_plain_inductor(monkeypatch):
     with torch.no_grad():
         out = compiled(x)
     assert torch.isnan(out).sum() == 0
-    assert enn_backend.report().to_dict()["graphs"] == []
+    data = enn_backend.report().to_dict()
+    assert data["graphs"] == [] and data["disabled"] == {"ENN_DISABLE=1": 1}
+    # the report says why it is empty
+    assert "enn was disabled by ENN_DISABLE=1: 1 Dynamo graph(s) compiled by plain Inductor" in str(enn_backend.report())
+
+
+def test_disabled_by_options_says_so(monkeypatch):
+    monkeypatch.delenv("ENN_DISABLE", raising=False)
+    model, x = make("mlp")
+    with torch.no_grad():
+        torch.compile(model, backend="enn", options={"disable": True})(x)
+    assert enn_backend.report().to_dict()["disabled"] == {"options={'disable': True}": 1}
+    assert "enn was disabled by options={'disable': True}" in str(enn_backend.report())
 
 
 def test_inductor_after_enn_sees_no_enn_ops_or_config():
