@@ -94,3 +94,11 @@ def test_doctor_on_a_fresh_home_says_the_cache_folders_are_writable(tmp_path, mo
     monkeypatch.setenv("ENN_REPRO_DIR", str(tmp_path / "a-file" / "repros"))
     doctor.main([])
     assert "a-file/repros (NOT writable: no repro scripts)" in capsys.readouterr().out
+
+
+def test_state_clear_of_a_key_exits_1_when_there_is_no_state_at_all(tmp_path, capsys):
+    """docs/TROUBLESHOOTING.md: clear exits 1 when --key matches nothing (a missing file included)."""
+    assert cli.main(["state", "clear", "--key", "aten.erf", "--cache-dir", str(tmp_path)]) == 1
+    assert "no entry's key contains 'aten.erf'" in capsys.readouterr().err
+    assert cli.main(["state", "clear", "--cache-dir", str(tmp_path)]) == 0
+    assert "nothing to clear" in capsys.readouterr().out
