@@ -84,21 +84,23 @@ def test_missing_lines_rejects_wrong_output():
 @pytest.mark.slow
 def test_walkthrough_commands(tmp_path):
     files, steps = parse_walkthrough(DOC.read_text())
+    work = tmp_path / "work"  # the working directory, apart from the home folder as a user's is
+    work.mkdir()
     for name, body in files.items():
-        (tmp_path / name).write_text(body)
+        (work / name).write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENN_", "TORCH_LOGS", "TORCH_TRACE"))}
     home = tmp_path / "home"
     env["HOME"] = str(home)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     for cmd, code, expected in steps:
-        res = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        res = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True, timeout=300)
         out = res.stdout + res.stderr
         assert res.returncode == code, f"$ {cmd}\nexit {res.returncode}, want {code}\n{out[-3000:]}"
         missing = missing_lines([ln.replace("/home/me", str(home)) for ln in expected], out)
         assert not missing, f"$ {cmd}\nlines shown in the doc but not printed: {missing}\n--- output:\n{out[-3000:]}"
 
     # The minimized repro is at most a handful of nodes and names the culprit.
-    assert sorted(os.listdir(tmp_path)) == sorted([*files, "enn_report.json", "home"])  # nothing else in the cwd
+    assert sorted(os.listdir(work)) == sorted([*files, "enn_report.json"])  # nothing else in the working directory
     folder = home / ".cache" / "enn" / "repros" / "g0-forward-nonfinite-erf"
     mini = _expect(folder / "minified" / "repro.py")
     assert mini["kind"] == "nonfinite"
