@@ -8,7 +8,9 @@ compiled graph, a small JSON *sidecar* next to Inductor's cache (keyed by the gr
 graph cache key) with what the guard and the report need:
 
 - the report record (fusions, kernel choices, fp32 promotions) and the compile-time
-  fallbacks (declined fusions ...), replayed into the report and the log on a hit;
+  fallbacks (declined fusions ...) with the sites of their ops (module path, source line:
+  ``enn_backend.blame``), replayed into the report and the log on a hit, which names them
+  as the cold compile did;
 - for the fast path: the inputs the graph writes into, and whether it draws random numbers;
 - the graph's kernel-state keys, so a kernel that faulted since the entry was written
   refuses the hit (the graph is traced and compiled with that node pinned);
@@ -42,6 +44,7 @@ import torch
 import torch.fx as fx
 
 from . import compat
+from .blame import SITE_FIELDS
 from .debug.log import log_compiled_graph
 from .graph_compiler import GraphCompiler
 from .guard import graph_edit as E
@@ -55,13 +58,13 @@ from .report import FallbackKind, GraphRecord, atomic_write_text, detached_repor
 log = logging.getLogger(__name__)
 
 FORMAT = "enn-aot-graph"
-VERSION = 1
+VERSION = 2
 PHASES = ("forward", "backward", "inference")
 # compile-time fallbacks that describe a clean compile (what a pass declined), replayed on a hit
 REPLAYED = frozenset({FallbackKind.PASS_SKIPPED.value, FallbackKind.KERNEL_CHOICE.value,
                       FallbackKind.PRECISION_SKIPPED.value})
 _RECORD_FIELDS = ("nodes", "compute_nodes", "compiled_nodes", "fusions", "kernel_choices", "promotions", "counters")
-_FALLBACK_FIELDS = ("kind", "node", "phase", "reason", "action")
+_FALLBACK_FIELDS = ("kind", "node", "phase", "reason", "action", "sites")
 
 
 def sidecar_path(fx_key: str) -> str:
@@ -129,7 +132,7 @@ def _entry(compiler: Any, fx_key: str) -> dict[str, Any] | None:
     }
 
 
-def _fallback_dict(f: Any) -> dict[str, str]:
+def _fallback_dict(f: Any) -> dict[str, Any]:
     return {k: getattr(f, k) for k in _FALLBACK_FIELDS}
 
 
@@ -171,6 +174,11 @@ def _validate(d: Any, fx_key: str) -> None:
         fallbacks += unit.get("fallbacks") or []
     need(all(isinstance(f, dict) and set(f) == set(_FALLBACK_FIELDS) and f["kind"] in REPLAYED for f in fallbacks),
          "bad fallbacks")
+    need(all(isinstance(f["sites"], list) and all(_valid_site(s) for s in f["sites"]) for f in fallbacks), "bad sites")
+
+
+def _valid_site(s: Any) -> bool:
+    return isinstance(s, dict) and "node" in s and all(k in SITE_FIELDS and type(v) is SITE_FIELDS[k] for k, v in s.items())
 
 
 class WarmStart:
@@ -232,7 +240,7 @@ class WarmStart:
     @staticmethod
     def _replay(f: dict[str, str], graph: GraphRecord | str) -> None:
         report().add_fallback(FallbackKind(f["kind"]), node=f["node"], phase=f["phase"], graph=graph,
-                              reason=f["reason"], action=f["action"])
+                              reason=f["reason"], action=f["action"], sites=f["sites"])
 
     def _accept(self, fx_key: str | None) -> dict[str, Any]:
         meta = read_sidecar(fx_key) if fx_key else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any, Callable, Sequence
 
@@ -42,7 +43,10 @@ def enn(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None =
     """Compile ``gm`` for ``torch.compile(..., backend="enn", mode=..., options=...)``."""
     opts = Options.from_sources(options, mode, inductor_config=compat.inductor_option_types())
     if opts.disable:
-        log.info("enn disabled (ENN_DISABLE / options['disable']): compiling with plain Inductor")
+        # ENN_DISABLE is an override: when set, it decided (a false value would have enabled enn)
+        by = f"ENN_DISABLE={os.environ['ENN_DISABLE']}" if "ENN_DISABLE" in os.environ else "options={'disable': True}"
+        log.info("enn disabled by %s: compiling with plain Inductor", by)
+        report().add_disabled(by)
         return compat.inductor_compile_fx(gm, example_inputs,
                                           config_patches=compat.inductor_config_patches(opts.mode, opts.inductor))
     return compile_unit(gm, list(example_inputs), opts)

@@ -27,6 +27,9 @@ import torch
 import torch.fx as fx
 
 Site = dict[str, Any]
+# the keys a site may have and the type of each value
+SITE_FIELDS = {"node": str, "op": str, "module": str, "module_type": str, "file": str, "line": int, "function": str,
+               "code": str}
 
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<function>\S+)\n(?P<code>[^\n]*)')
 _ROOT = re.compile(r"^L\['(?P<name>[^']+)'\]")

@@ -40,6 +40,15 @@ def _attention_backends(device: torch.device) -> list[tuple[str, bool, str]]:
     return rows
 
 
+def _writable(folder: str) -> bool:
+    """Whether enn can write into ``folder``: the folder, or the nearest existing folder above it
+    (enn creates the missing ones, as a new user's ``~/.cache/enn``), is writable."""
+    path = os.path.abspath(folder)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return os.path.isdir(path) and os.access(path, os.W_OK)
+
+
 def _kernel_state(opts: Options) -> str:
     """How many pins from earlier faults the next compile starts with, and how to clear them."""
     path = K.state_path(opts)
@@ -80,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         changed = {k: v for k, v in opts.to_dict().items() if v != getattr(Options(), k)}
         print(f"options in effect: {changed or 'defaults'}")
         cache = opts.resolved_cache_dir()
-        writable = os.access(cache, os.W_OK) if os.path.isdir(cache) else os.access(os.path.dirname(cache) or ".", os.W_OK)
-        print(f"enn cache dir: {cache} ({'writable' if writable else 'NOT writable: kernel state will not persist'})")
+        print(f"enn cache dir: {cache} ({'writable' if _writable(cache) else 'NOT writable: kernel state will not persist'})")
         print(_kernel_state(opts))
-        print(f"enn repro dir: {os.path.abspath(opts.repro_dir)}")
+        repros = os.path.abspath(opts.resolved_repro_dir())
+        print(f"enn repro dir: {repros} ({'writable' if _writable(repros) else 'NOT writable: no repro scripts'})")
     except OptionsError as exc:
         ok = False
         print(f"options: ERROR {exc}")

@@ -192,8 +192,12 @@ class Options:
         metadata=_meta("ENN_PERSIST", "Persist kernel state to cache_dir and load it at compile time.", codegen=False),
     )
     repro_dir: str = field(
-        default="enn_repros",
-        metadata=_meta("ENN_REPRO_DIR", "Where a standalone repro script is written for every blamed fault.", codegen=False),
+        default="",
+        metadata=_meta(
+            "ENN_REPRO_DIR",
+            "Where a standalone repro script is written for every blamed fault (a folder per fault). Empty: repros/ in enn's cache folder (cache_dir, else ~/.cache/enn).",
+            codegen=False,
+        ),
     )
     repro: bool = field(
         default=True,
@@ -357,6 +361,9 @@ class Options:
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "enn")
+
+    def resolved_repro_dir(self) -> str:
+        return self.repro_dir or os.path.join(self.resolved_cache_dir(), "repros")
 
 
 # ENN_* variables that are not options (read by tools, not by the backend).

@@ -96,6 +96,8 @@ class Report:
         self.graphs: list[GraphRecord] = []
         self.fallbacks: list[Fallback] = []
         self.counters: Counter[str] = Counter()
+        # Dynamo graphs compiled by plain Inductor because enn was disabled, by what disabled it
+        self.disabled: Counter[str] = Counter()
         self._units = 0
         # fusions found on a joint graph before AOT splits it into fwd/bwd
         self._pending_unit_fusions: dict[str, Counter[str]] = {}
@@ -173,6 +175,11 @@ class Report:
         log.log(level, "enn fallback %s", fallback_line(asdict(fb)))
         return fb
 
+    def add_disabled(self, by: str) -> None:
+        """Record a Dynamo graph compiled by plain Inductor because ``by`` disabled enn."""
+        with self._lock:
+            self.disabled[by] += 1
+
     def count(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.counters[name] += n
@@ -195,6 +202,7 @@ class Report:
                 "fusions": self.fusions(),
                 "fallbacks": [asdict(f) for f in self.fallbacks],
                 "counters": dict(self.counters),
+                "disabled": dict(self.disabled),
             }
 
     def to_json(self, indent: int = 2) -> str:
@@ -235,6 +243,8 @@ def format_report(data: dict[str, Any]) -> str:
     (also used by `python -m enn_backend report FILE`)."""
     graphs, fallbacks = data.get("graphs", []), data.get("fallbacks", [])
     lines = [f"enn report: {len(graphs)} graph(s) compiled, {len(fallbacks)} fallback(s)"]
+    lines += [f"enn was disabled by {by}: {n} Dynamo graph(s) compiled by plain Inductor "
+              "(no enn passes, no guard; not listed here)" for by, n in sorted((data.get("disabled") or {}).items())]
     rows = [["graph", "path", "ops", "compiled", "pinned", "compile s", "fusions"]]
     for g in graphs:
         rows.append([g["id"], g.get("path", "") + (" (cached)" if g.get("from_cache") else ""),

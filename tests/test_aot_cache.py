@@ -237,3 +237,93 @@ def test_inference_graph_from_cache_is_traced_again_outside_the_runtime_wrappers
         torch.testing.assert_close(got, want.detach(), equal_nan=True)
         assert rep["fallbacks"] == []  # eager makes the same NaN: nothing fell back
         assert rep["graphs"][0]["counters"]["model_nonfinite"] == 1
+
+
+def _cold_then_warm(cache, compile_and_run):
+    """The report of a cold compile into ``cache``, then of a warm start from it."""
+    reports = []
+    for _ in range(2):
+        torch.compiler.reset()
+        enn_backend.reset()
+        with cache_dir(cache):
+            compile_and_run()
+        reports.append(enn_backend.report().to_dict())
+    assert [[g["from_cache"] for g in r["graphs"]] for r in reports] == [[False], [True]]
+    return reports
+
+
+def test_a_warm_start_names_compile_time_fallbacks_as_the_cold_compile(tmp_path, monkeypatch):
+    """A pass's fallback (here an epilogue declined on a CPU without fp16 GEMMs) is named by its
+    module path and source line; a warm start replays it from the sidecar with the same sites."""
+    from enn_backend.custom_ops import gemm as G
+    from enn_backend.report import fallback_line
+
+    monkeypatch.setattr(G, "hw_caps", lambda device_type: G.HwCaps("cpu", onednn=True, onednn_bf16=True))
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()).to(torch.float16)
+    x = torch.randn(4, 16, dtype=torch.float16)
+
+    def run():
+        with torch.no_grad():
+            torch.compile(mlp, backend="enn", options={"persist": False})(x)
+
+    cold, warm = _cold_then_warm(str(tmp_path / "inductor"), run)
+    lines = [[fallback_line(f) for f in r["fallbacks"] if f["kind"] == "pass_skipped"] for r in (cold, warm)]
+    assert len(lines[0]) == 1 and lines[1] == lines[0], lines
+    assert lines[0][0].startswith("[pass_skipped] g0 (compile) at 1 ["), lines  # the GELU, item 1 of the Sequential
+    assert [f["sites"] for f in warm["fallbacks"]] == [f["sites"] for f in cold["fallbacks"]]
+
+
+def test_a_fault_in_a_warm_started_graph_is_blamed_as_on_a_cold_compile(tmp_path, monkeypatch):
+    """The same injected fault, once in a cold compile and once in a graph loaded from the cache
+    (its artifact made faulty, the fresh compile the guard makes planted): the report's blame line
+    and the repro's header name the same module, source line and op."""
+    from enn_backend import aot_cache
+    from enn_backend.guard.faults import parse_fault_spec
+
+    spec = "aten.addmm:nan:fwd"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    x = torch.randn(4, 8)
+    cache = str(tmp_path / "inductor")
+
+    def compile_and_run(options):
+        torch.compiler.reset()
+        enn_backend.reset()
+        with torch.no_grad(), cache_dir(cache):
+            compiled = torch.compile(model, backend="enn", options={"persist": False, **options})
+            compiled(x)
+        return compiled
+
+    def blamed():
+        rep = enn_backend.report().to_dict()
+        [fault] = [f for f in rep["fallbacks"] if f["kind"] == "nonfinite"]
+        [path] = [e["repro"] for g in rep["graphs"] for e in g["events"] if "repro" in e]
+        return fault["sites"], open(path).read().split("\n\nWritten by")[0]
+
+    compile_and_run({"fault_inject": spec})
+    cold_sites, cold_header = blamed()
+    assert [s["module"] for s in cold_sites] == ["0"] and "[addmm]" in cold_header
+
+    compile_and_run({})  # fills the cache
+    compiled = compile_and_run({})
+    assert enn_backend.report().counters["aot_cache.hits"] == 1
+    guard = _cache_loaded_guard("inference")
+    guard.since_build = 0
+    artifact = guard.compiled
+
+    def broken(args):
+        out = list(artifact(args))
+        out[0] = torch.full_like(out[0], float("nan"))
+        return out
+
+    class Planted(aot_cache.GraphCompiler):  # the graph the guard traces again gets the fault too
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "fault_specs": parse_fault_spec(spec)})
+
+    guard.compiled = broken
+    monkeypatch.setattr(aot_cache, "GraphCompiler", Planted)
+    with torch.no_grad(), cache_dir(cache):
+        compiled(x)
+    warm_sites, warm_header = blamed()
+    assert warm_sites == cold_sites and warm_header == cold_header

@@ -75,3 +75,30 @@ def test_a_closed_pipe_ends_the_command_quietly(tmp_path):
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 128 + signal.SIGPIPE, err
     assert "BrokenPipeError" not in err and "Traceback" not in err, err
+
+
+def test_doctor_on_a_fresh_home_says_the_cache_folders_are_writable(tmp_path, monkeypatch, capsys):
+    """A new user has no ~/.cache yet: enn creates it, so doctor must not report it unwritable;
+    a folder that cannot be made is reported."""
+    from enn_backend import doctor
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    monkeypatch.delenv("ENN_CACHE_DIR")
+    monkeypatch.delenv("ENN_REPRO_DIR")
+    doctor.main([])
+    out = capsys.readouterr().out
+    assert f"enn cache dir: {tmp_path}/home/.cache/enn (writable)" in out
+    assert f"enn repro dir: {tmp_path}/home/.cache/enn/repros (writable)" in out
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("ENN_REPRO_DIR", str(tmp_path / "a-file" / "repros"))
+    doctor.main([])
+    assert "a-file/repros (NOT writable: no repro scripts)" in capsys.readouterr().out
+
+
+def test_state_clear_of_a_key_exits_1_when_there_is_no_state_at_all(tmp_path, capsys):
+    """docs/TROUBLESHOOTING.md: clear exits 1 when --key matches nothing (a missing file included)."""
+    assert cli.main(["state", "clear", "--key", "aten.erf", "--cache-dir", str(tmp_path)]) == 1
+    assert "no entry's key contains 'aten.erf'" in capsys.readouterr().err
+    assert cli.main(["state", "clear", "--cache-dir", str(tmp_path)]) == 0
+    assert "nothing to clear" in capsys.readouterr().out

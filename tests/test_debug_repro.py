@@ -238,3 +238,26 @@ def test_cuda_repro_round_trip(tmp_path):
     assert check(script.make_module(), inputs, phase=script.PHASE, options=script.OPTIONS).kind == "nonfinite"
     res = minify(os.path.dirname(paths[0]), out=str(tmp_path / "mini"))
     assert res.ops_after == 1
+
+
+@pytest.mark.parametrize("where", ["env", "option"])
+def test_repros_go_to_the_cache_folder_never_the_working_directory(tmp_path, monkeypatch, caplog, where):
+    """With no repro_dir, a blamed fault's repro lands in repros/ of enn's cache folder (option
+    cache_dir, else ENN_CACHE_DIR), the log names it, and the working directory stays empty."""
+    cwd, cache = tmp_path / "cwd", tmp_path / "cache"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("ENN_REPRO_DIR")
+    opts = {"fault_inject": FAULT, "persist": True}
+    if where == "env":
+        monkeypatch.setenv("ENN_CACHE_DIR", str(cache))
+    else:
+        monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path / "not-this-one"))
+        opts["cache_dir"] = str(cache)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    with torch.no_grad(), caplog.at_level("WARNING", logger="enn_backend"):
+        torch.compile(m, backend="enn", options=opts)(torch.randn(3, 4))
+    [path] = [e["repro"] for g in enn_backend.report().graphs for e in g.events if "repro" in e]
+    assert path == str(cache / "repros" / "g0-inference-nonfinite-addmm" / "repro.py") and os.path.isfile(path)
+    assert f"enn: wrote repro script {path}" in caplog.text
+    assert os.listdir(cwd) == []

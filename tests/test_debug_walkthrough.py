@@ -3,7 +3,9 @@
 The walkthrough section holds a ```python <file>``` block (written to a temporary folder)
 and ```console``` blocks: ``$ <command>`` lines (``# exit N`` gives the expected exit code,
 default 0) followed by the output the doc shows. Each shown line must appear in the real
-output (numbers may differ); a line starting with ``...`` must appear inside some line.
+output (numbers may differ); a line starting with ``...`` must appear inside some line. The
+doc's user has the home folder ``/home/me``; the commands run with a fresh one, which holds
+enn's cache folder (``~/.cache/enn``: kernel state, repro scripts) as for a new user.
 
 It is also the end-to-end test of the debugging tools: an injected NaN in a transformer
 block makes the guard write a repro that exits 3 (the fault reproduces) standalone, and ``minify`` shrinks it to
@@ -82,20 +84,24 @@ def test_missing_lines_rejects_wrong_output():
 @pytest.mark.slow
 def test_walkthrough_commands(tmp_path):
     files, steps = parse_walkthrough(DOC.read_text())
+    work = tmp_path / "work"  # the working directory, apart from the home folder as a user's is
+    work.mkdir()
     for name, body in files.items():
-        (tmp_path / name).write_text(body)
+        (work / name).write_text(body)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ENN_", "TORCH_LOGS", "TORCH_TRACE"))}
-    env["ENN_CACHE_DIR"] = str(tmp_path / "cache")
+    home = tmp_path / "home"
+    env["HOME"] = str(home)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     for cmd, code, expected in steps:
-        res = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        res = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True, timeout=300)
         out = res.stdout + res.stderr
         assert res.returncode == code, f"$ {cmd}\nexit {res.returncode}, want {code}\n{out[-3000:]}"
-        missing = missing_lines(expected, out)
+        missing = missing_lines([ln.replace("/home/me", str(home)) for ln in expected], out)
         assert not missing, f"$ {cmd}\nlines shown in the doc but not printed: {missing}\n--- output:\n{out[-3000:]}"
 
     # The minimized repro is at most a handful of nodes and names the culprit.
-    folder = tmp_path / "enn_repros" / "g0-forward-nonfinite-erf"
+    assert sorted(os.listdir(work)) == sorted([*files, "enn_report.json"])  # nothing else in the working directory
+    folder = home / ".cache" / "enn" / "repros" / "g0-forward-nonfinite-erf"
     mini = _expect(folder / "minified" / "repro.py")
     assert mini["kind"] == "nonfinite"
     assert "erf" in mini["nodes"] and len(mini["nodes"]) <= 5, mini

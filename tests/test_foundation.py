@@ -169,7 +169,7 @@ def test_each_test_has_its_own_enn_state(tmp_path):
     """conftest.py gives every test its own kernel-state and repro folders (nothing is shared
     with another test, nor with the user's ~/.cache/enn)."""
     opts = Options.from_sources()
-    for folder in (opts.resolved_cache_dir(), opts.repro_dir):
+    for folder in (opts.resolved_cache_dir(), opts.resolved_repro_dir()):
         assert os.path.commonpath([folder, str(tmp_path)]) == str(tmp_path), (folder, tmp_path)
 
 
@@ -255,7 +255,19 @@ def test_enn_disable_is_plain_inductor(monkeypatch):
     with torch.no_grad():
         out = compiled(x)
     assert torch.isnan(out).sum() == 0
-    assert enn_backend.report().to_dict()["graphs"] == []
+    data = enn_backend.report().to_dict()
+    assert data["graphs"] == [] and data["disabled"] == {"ENN_DISABLE=1": 1}
+    # the report says why it is empty
+    assert "enn was disabled by ENN_DISABLE=1: 1 Dynamo graph(s) compiled by plain Inductor" in str(enn_backend.report())
+
+
+def test_disabled_by_options_says_so(monkeypatch):
+    monkeypatch.delenv("ENN_DISABLE", raising=False)
+    model, x = make("mlp")
+    with torch.no_grad():
+        torch.compile(model, backend="enn", options={"disable": True})(x)
+    assert enn_backend.report().to_dict()["disabled"] == {"options={'disable': True}": 1}
+    assert "enn was disabled by options={'disable': True}" in str(enn_backend.report())
 
 
 def test_inductor_after_enn_sees_no_enn_ops_or_config():

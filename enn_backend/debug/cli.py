@@ -118,6 +118,9 @@ def state_main(argv: list[str]) -> int:
 
     if args.command == "clear":
         if not os.path.exists(state.path):
+            if args.key is not None:  # as for a file none of whose keys match
+                print(f"enn state: no entry's key contains {args.key!r}: no kernel state in {state.path}", file=sys.stderr)
+                return 1
             print(f"no kernel state in {state.path}: nothing to clear")
             return 0
         try:

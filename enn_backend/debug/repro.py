@@ -1,10 +1,11 @@
 """Standalone repro folders for faults the guard blames.
 
 On every blamed fault the guard calls ``GraphCompiler.write_repro(...)``, which calls
-:func:`write_repro` here. It writes, under ``opts.repro_dir`` (``ENN_REPRO_DIR``,
-default ``./enn_repros``), one folder per fault::
+:func:`write_repro` here. It writes, under ``opts.resolved_repro_dir()`` (option ``repro_dir``
+or ``ENN_REPRO_DIR``; by default ``repros/`` in enn's cache folder, never the working
+directory), one folder per fault::
 
-    enn_repros/g0-forward-nonfinite-addmm/
+    ~/.cache/enn/repros/g0-forward-nonfinite-addmm/
         repro.py     the ATen graph as inline Python, the options, and a __main__ that
                      runs enn's fast path (guard off) against eager and an fp64 run;
                      exit 3 when the fault reproduces, 0 when not, 4 undecided, 1 when
@@ -327,7 +328,7 @@ def write_repro(compiler: Any, *, kind: str, what: str, inputs: Sequence[Any] | 
             real[i] = saved
     rec = compiler.record
     node_list = [n for n in nodes.split(",") if n and not n.startswith("<")]
-    folder = unique_folder(compiler.opts.repro_dir, f"{rec.id.replace('/', '-')}-{kind}-{node_list[0] if node_list else 'graph'}")
+    folder = unique_folder(compiler.opts.resolved_repro_dir(), f"{rec.id.replace('/', '-')}-{kind}-{node_list[0] if node_list else 'graph'}")
     ops = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)]
     index = [i for i, n in enumerate(ops) if n.name in node_list]
     blamed = [blame.site(ops[i]) for i in index]  # in the order of node_index (the minifier pairs them)

@@ -44,7 +44,7 @@ import torch.fx as fx
 from enn_backend.custom_ops import gemm as G
 
 from .. import compat
-from ..report import FallbackKind, report
+from ..report import FallbackKind
 from .fx_utils import VIEWS, ancestors, insert, is_call, val
 from .manager import EnnPass, PassContext
 
@@ -226,7 +226,7 @@ class EpiloguePass(EnnPass):
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         matches = 0
-        skipped: dict[str, list[str]] = {}
+        skipped: dict[str, list[fx.Node]] = {}
         for n in list(graph.nodes):
             if n.graph is not graph or n.op != "call_function":
                 continue
@@ -241,7 +241,7 @@ class EpiloguePass(EnnPass):
                 log.debug("enn epilogue: declined %s -> %s at %s: %s", n.name, m.act, m.out.name, reason)
                 ctx.kernel_choice(m.out, "inductor", f"epilogue declined: {reason}", act=m.act)
                 if choice is not None and choice.actionable:
-                    skipped.setdefault(reason, []).append(m.out.name)
+                    skipped.setdefault(reason, []).append(m.out)
                 continue
             new = rewrite(graph, m)
             matches += 1
@@ -250,10 +250,8 @@ class EpiloguePass(EnnPass):
                               dtype=str(val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name)
             log.debug("enn epilogue: %s + %s (%s) -> %s [%s]", n.name, m.act, m.out.name, new.name, choice.kernel)
         for reason, nodes in skipped.items():
-            report().add_fallback(
-                FallbackKind.PASS_SKIPPED, node=",".join(nodes), phase="compile", graph=ctx.unit,
-                reason=f"epilogue fusion declined for {len(nodes)} GEMM(s): {reason}",
-                action="left to Inductor (extern GEMM + fused pointwise)", level=logging.INFO)
+            ctx.fallback(FallbackKind.PASS_SKIPPED, nodes, reason=f"epilogue fusion declined for {len(nodes)} GEMM(s): {reason}",
+                         action="left to Inductor (extern GEMM + fused pointwise)")
         if matches:
             compat.stable_topological_sort(graph)
         return matches

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..guard.graph_edit import retarget_dtypes
-from ..report import FallbackKind, report
+from ..report import FallbackKind
 from .fx_utils import CONVERT, ancestors, fake_mode, insert, refresh, tensor_dtype, val
 from .manager import EnnPass, PassContext
 from .precision import LOW_PRECISION, is_pointwise, is_view
@@ -156,10 +156,10 @@ class Fp32TailPass(EnnPass):
         params = {p for n in tail for a in n.all_input_nodes if (p := _param_source(a)) is not None}
         stored_low = sorted(p.name for p in params if tensor_dtype(p) in LOW_PRECISION and p is not _param_source(start))
         if stored_low:
-            report().add_fallback(
-                FallbackKind.PRECISION_SKIPPED, node=proj.name, phase="compile", graph=ctx.unit,
+            ctx.fallback(
+                FallbackKind.PRECISION_SKIPPED, [proj],
                 reason=f"parameters of the output tail are stored in {str(low).removeprefix('torch.')} ({', '.join(stored_low)})",
-                action="fp32 tail not applied; the tail runs in the parameters' dtype", level=logging.INFO)
+                action="fp32 tail not applied; the tail runs in the parameters' dtype")
             return 0
         mode = fake_mode(graph)
         if mode is None:

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from .. import blame, compat
 from ..options import Options
-from ..report import report
+from ..report import FallbackKind, report
 from .sources import sources_hash
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def current_module_state() -> ModuleState | None:
 
 @dataclass
 class PassContext:
-    """What a pass may record: fusions, kernel choices and precision promotions."""
+    """What a pass may record: fusions, kernel choices, precision promotions and fallbacks."""
 
     opts: Options
     unit: str
@@ -114,6 +114,12 @@ class PassContext:
     def promotion(self, node: fx.Node, reason: str, **extra: Any) -> None:
         report().add_unit_promotion(self.unit, {"node": node.name, "reason": reason, "site": blame.site(node),
                                                 **_plain(extra)})
+
+    def fallback(self, kind: FallbackKind, nodes: Sequence[fx.Node], *, reason: str, action: str,
+                 level: int = logging.INFO) -> None:
+        """A compile-time fallback of this unit at ``nodes``, named by their sites."""
+        report().add_fallback(kind, node=",".join(n.name for n in nodes), phase="compile", graph=self.unit,
+                              reason=reason, action=action, level=level, sites=[blame.site(n) for n in nodes])
 
 
 def _plain(extra: dict[str, Any]) -> dict[str, Any]:
