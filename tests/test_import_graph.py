@@ -26,6 +26,7 @@ ATTENTION_LAYERS = (
     {f"{A}.problem", f"{A}.match", f"{A}.emitter", f"{A}.constants"},
     {f"{A}.provenance"},
     {f"{A}.masks", f"{A}.regions"},
+    {f"{A}.key_padding"},  # band flags + key padding, and the dead rows' closed form
     {f"{A}.kernels.sdpa", f"{A}.kernels.flex", f"{A}.kernels.enn_op"},
     {f"{A}.kernels"},
     {f"{A}.policy"},
