@@ -268,3 +268,15 @@ def test_timer_rotates_the_order_and_can_fix_the_steps_per_sample():
     assert calls[: 3 * warm] == ["a"] * warm + ["b"] * warm + ["c"] * warm
     timed = calls[3 * warm:]
     assert timed == ["a", "a", "b", "b", "c", "c", "b", "b", "c", "c", "a", "a", "c", "c", "a", "a", "b", "b"]
+
+
+def test_results_go_to_the_cache_folder_unless_a_folder_is_named(tmp_path, monkeypatch):
+    """bench never writes into the working directory by default: --out, else ENN_BENCH_OUT, else
+    bench/<device> in enn's cache folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("ENN_BENCH_OUT", raising=False)
+    monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path / "cache"))
+    assert cli.output_folder(None, "cpu") == str(tmp_path / "cache" / "bench" / "cpu")
+    monkeypatch.setenv("ENN_BENCH_OUT", str(tmp_path / "env"))
+    assert cli.output_folder(None, "cpu") == str(tmp_path / "env")
+    assert cli.output_folder("named", "cpu") == "named"

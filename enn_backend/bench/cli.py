@@ -8,8 +8,10 @@
     python -m enn_backend bench --models gpt2_naive,bert --modes train --dtypes fp32,bf16
     python -m enn_backend bench --render bench/results/cpu/quick.json   # re-render Markdown/PNGs
 
-Results go to ``bench/results/<device>/<preset>.{json,md,png}`` unless ``--out DIR``; the JSON and
-Markdown are rewritten after every workload, so a run cut short still leaves what it measured.
+Results go to ``--out DIR``, else ``$ENN_BENCH_OUT``, else ``bench/<device>/`` in enn's cache folder
+(``cache_dir`` / ``ENN_CACHE_DIR``, else ``~/.cache/enn``): never into the working directory unless
+asked (the project's committed results are written with ``--out bench/results/<device>``). The
+JSON and Markdown are rewritten after every workload, so a run cut short still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from .. import models
+from ..options import Options
 from .backends import BACKENDS
 from .plots import device_folder, write_outputs
 from .runner import BenchConfig, run_suite
@@ -91,7 +94,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warm-compile", dest="warm_compile", action="store_true",
                    help="measure the warm (disk cache) compile time (default on CPU presets)")
     p.add_argument("--no-profile", action="store_true", help="do not profile workloads where enn is slower")
-    p.add_argument("--out", help="output folder (default: $ENN_BENCH_OUT, else bench/results/<device>/)")
+    p.add_argument("--out", help="output folder (default: $ENN_BENCH_OUT, else bench/<device>/ in enn's cache folder)")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when a goal is missed")
     p.add_argument("--name", help="file stem of the outputs (default: the preset name)")
     p.add_argument("--render", metavar="JSON", help="only re-render the Markdown and PNGs of a saved result")
@@ -125,6 +128,12 @@ def build_config(args: argparse.Namespace, argv: list[str]) -> BenchConfig:
                        preset=preset, command="python -m enn_backend bench " + shlex.join(argv))
 
 
+def output_folder(out: str | None, device: str) -> str:
+    """``--out``, else ``$ENN_BENCH_OUT``, else ``bench/<device>`` in enn's cache folder."""
+    return out or os.environ.get("ENN_BENCH_OUT") or os.path.join(
+        Options.from_sources(None).resolved_cache_dir(), "bench", device)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.name or cfg.preset
 
     def out_dir(result: dict[str, Any]) -> str:
-        return args.out or os.environ.get("ENN_BENCH_OUT") or os.path.join("bench", "results", device_folder(result))
+        return output_folder(args.out, device_folder(result))
 
     def partial(result: dict[str, Any]) -> None:
         snapshot = {**result, "partial": True, "summary": summarize(result)}
