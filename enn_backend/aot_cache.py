@@ -82,10 +82,11 @@ def content_digest(t: torch.Tensor) -> str:
 
 
 # ------------------------------------------------------------------ cold compiles
-def offer(compiler: Any, compiled: Any, returned: Any) -> None:
+def offer(compiler: Any, compiled: Any, returned: Any) -> Any:
     """After a cold compile of one graph: if it is clean, write its sidecar and let AOT
     Autograd cache it (it saves an entry only if every graph ``returned`` to it carries
-    an FX graph cache key)."""
+    an FX graph cache key). Returns what AOT Autograd gets: ``returned``, or a bare artifact
+    kept out of its cache."""
     fx_key = getattr(compiled, "_fx_graph_cache_key", None)
     entry = _entry(compiler, fx_key) if fx_key else None
     if entry is not None:
@@ -96,13 +97,13 @@ def offer(compiler: Any, compiled: Any, returned: Any) -> None:
                         sidecar_path(fx_key), exc)
             entry = None
     if returned is compiled:
-        if entry is None:  # a bare artifact (guard="off") would be cached by its own key
-            compiled._fx_graph_cache_key = None
-        return
+        # a bare artifact (guard="off") would be cached by its own key
+        return returned if entry is not None else compat.keep_out_of_aot_cache(compiled)
     if entry is not None:
         returned._fx_graph_cache_key = fx_key
         returned._fx_graph_cache_debug_lines = getattr(compiled, "_fx_graph_cache_debug_lines", [])
         returned._time_taken_ns = getattr(compiled, "_time_taken_ns", 0)
+    return returned
 
 
 def _entry(compiler: Any, fx_key: str) -> dict[str, Any] | None:

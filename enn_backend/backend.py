@@ -120,8 +120,7 @@ def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_spe
         compiled = compiler.build()
         log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
         returned = GuardedGraph(compiler, compiled, compiler.record) if opts.guard.guarded else compiled
-        offer(compiler, compiled, returned)
-        return returned
+        return offer(compiler, compiled, returned)
 
     return inner_compile
 

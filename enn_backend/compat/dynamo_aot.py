@@ -196,3 +196,26 @@ def is_dynamo_control_flow(exc: BaseException) -> bool:
     if not isinstance(exc, dexc.TorchDynamoException):
         return False
     return not isinstance(exc, (dexc.BackendCompilerFailed, dexc.InternalTorchDynamoError, dexc.TorchRuntimeError))
+
+
+# Whether AOT Autograd saves a cache entry only for compiled graphs whose FX graph key is set
+# (2.13+: ``_should_save_cache`` tests ``is not None``); before, it tests ``hasattr`` and then
+# asserts the key is not None -- and Inductor's compiled graphs carry the attribute as a
+# dataclass field, so a graph enn must keep out of the cache is handed over wrapped instead.
+try:
+    from torch._functorch._aot_autograd.graph_compile import _should_save_cache as _SAVE_CHECK
+except ImportError:
+    _SAVE_CHECK = None
+
+
+def keep_out_of_aot_cache(compiled: Any) -> Any:
+    """``compiled`` (a boxed compiled graph) such that AOT Autograd saves no cache entry for it."""
+    if _SAVE_CHECK is not None:
+        compiled._fx_graph_cache_key = None
+        return compiled
+
+    def uncached(args: list) -> Any:
+        return compiled(args)
+
+    uncached._boxed_call = True  # type: ignore[attr-defined]
+    return uncached
