@@ -104,7 +104,7 @@ class PassRun:
             return
         wrt = _grad_leaves(self.fn, self.inputs)
         g = torch.Generator().manual_seed(seed)
-        gouts = [torch.randn(r.shape, generator=g).to(r.dtype) for r in ref if r.requires_grad]
+        gouts = [torch.randn(r.shape, generator=g).to(r.device, r.dtype) for r in ref if r.requires_grad]
         got_grads = torch.autograd.grad([o for o in outs if o.requires_grad], wrt, gouts)
         want_grads = torch.autograd.grad([r for r in ref if r.requires_grad], wrt, gouts)
         for got, want in zip(got_grads, want_grads):

@@ -180,7 +180,9 @@ def test_real_cpu_preset_end_to_end(tmp_path, monkeypatch):
             assert be[b]["accuracy"]["passed"], be[b]["accuracy"]
             assert w["host_vs_kernel"][b]["wall_ms"] == be[b]["time_ms"] and w["host_vs_kernel"][b]["kernel_ms"] is None
         enn = be["enn"]["enn"]
-        assert isinstance(enn["fusions"], dict) and enn["kernel_choice_counts"], enn  # attention sites were decided on
+        assert isinstance(enn["fusions"], dict), enn
+        if w["model"].startswith("hf_"):
+            assert enn["kernel_choice_counts"], enn  # attention sites were decided on (a ResNet has none)
     for name in VISION:
         why = models.unavailable(name)
         if why:

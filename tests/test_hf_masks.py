@@ -220,7 +220,20 @@ def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_b
     with torch.no_grad():
         want = model(ids, mask)
     torch.testing.assert_close(run.output[1, :PADDED].float(), want[1, :PADDED].float(), atol=3e-2, rtol=3e-2)
-    run.check_eager(atol=3e-2, rtol=3e-2)
+    # Gradients under bf16 autocast differ from eager's by bf16 rounding (on the order of 0.4 here,
+    # with or without padding, whichever kernel): judged against the same model run in fp32, enn
+    # must be about as close as eager is (bench/gpu_key_padding_accuracy.py measures both).
+    wrt = [p for p in model.parameters() if p.requires_grad]
+    g = torch.randn(run.output.shape, generator=torch.Generator().manual_seed(0)).to(run.output.device)
+    ref_out = _Logits(model.model)(ids, mask)
+    eager_out = model(ids, mask)
+    results = {name: (out, torch.autograd.grad(out, wrt, g.to(out.dtype)))
+               for name, out in (("enn", run.output), ("eager", eager_out), ("fp32", ref_out))}
+    ref = results.pop("fp32")
+    err = {name: max([(out.float() - ref[0]).abs().max().item()]
+                     + [(a.float() - r).abs().max().item() for a, r in zip(grads, ref[1])])
+           for name, (out, grads) in results.items()}
+    assert err["enn"] <= 2 * err["eager"] + 1e-3, err
 
 
 # ----------------------------------------------------------------------------- near misses
