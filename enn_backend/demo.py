@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from .bench.steps import autocast, timed_step
-from .bench.timing import Timer
+from .bench.timing import Timer, speed_verdict, spread_pct
 from .models import gpt_small
 from .report import report, reset
 
@@ -88,13 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     ok &= inf_ok
     print(f"  inference logits vs eager: max diff {(got.float() - ref.float()).abs().max().item():.2e}  {'ok' if inf_ok else 'MISMATCH'}")
 
-    print(f"timing a training step (median of {args.reps}, after the guard's warm-up, interleaved):")
+    print(f"timing a training step (median of {args.reps} interleaved rounds after the guard's warm-up; "
+          "spread: interquartile range over rounds):")
     steps = {name: step_fn(copy.deepcopy(eager_model), None if name == "eager" else name)
              for name in ("eager", "inductor", "enn")}
     samples = Timer(device, rounds=args.reps, steps_per_sample=1).measure(steps)
     timings = {name: statistics.median(ms) for name, ms in samples.items()}
     for name, ms in timings.items():
-        print(f"  {name:<9} {ms:8.2f} ms/step   {timings['eager'] / ms:5.2f}x eager   {timings['inductor'] / ms:5.2f}x inductor")
+        print(f"  {name:<9} {ms:8.2f} ms/step (spread {spread_pct(samples[name]):4.1f}%)   "
+              f"{timings['eager'] / ms:5.2f}x eager   {timings['inductor'] / ms:5.2f}x inductor")
+    print("  " + speed_verdict(samples["inductor"], samples["enn"], "inductor", "enn"))
     print()
     print(report())
     print("demo:", "PASSED (enn matches eager)" if ok else "FAILED (see MISMATCH above)")

@@ -280,3 +280,12 @@ def test_results_go_to_the_cache_folder_unless_a_folder_is_named(tmp_path, monke
     monkeypatch.setenv("ENN_BENCH_OUT", str(tmp_path / "env"))
     assert cli.output_folder(None, "cpu") == str(tmp_path / "env")
     assert cli.output_folder("named", "cpu") == "named"
+
+
+def test_speed_verdict_says_when_the_machine_is_too_noisy():
+    """The demo's verdict: a ratio only when the per-round ratios' interquartile range excludes 1."""
+    steady = timing.speed_verdict([2.0, 2.1, 1.9, 2.0, 2.05], [1.0, 1.02, 0.98, 1.0, 1.01], "inductor", "enn")
+    assert steady.startswith("enn ran 2.0") and "too noisy" not in steady
+    noisy = timing.speed_verdict([1.0, 2.0, 0.6, 1.5, 0.8], [1.0, 1.0, 1.0, 1.0, 1.0], "inductor", "enn")
+    assert noisy.startswith("too noisy to tell enn from inductor"), noisy
+    assert timing.spread_pct([1.0, 1.0, 1.0, 1.0]) == 0.0 and round(timing.spread_pct([1.0, 3.0]), 1) == 100.0

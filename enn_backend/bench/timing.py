@@ -117,6 +117,26 @@ def paired_ratio(slow: list[float], fast: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(slow, fast) if a > 0 and b > 0)
 
 
+def spread_pct(samples: list[float]) -> float:
+    """The interquartile range of ``samples`` as a percentage of their median (the full range
+    below four samples)."""
+    lo, hi = (statistics.quantiles(samples, n=4)[::2] if len(samples) >= 4 else (min(samples), max(samples)))
+    return (hi - lo) / statistics.median(samples) * 100
+
+
+def speed_verdict(slow: list[float], fast: list[float], slow_name: str, fast_name: str) -> str:
+    """One line on how ``fast`` compares with ``slow`` (per-round step times, interleaved): the
+    median of the per-round ratios with their interquartile range, or that the machine was too
+    noisy to tell them apart (that range holds 1.0)."""
+    ratios = [a / b for a, b in zip(slow, fast) if a > 0 and b > 0]
+    lo, hi = (statistics.quantiles(ratios, n=4)[::2] if len(ratios) >= 4 else (min(ratios), max(ratios)))
+    mid = statistics.median(ratios)
+    if lo <= 1.0 <= hi:
+        return (f"too noisy to tell {fast_name} from {slow_name} here: per round {fast_name} ran "
+                f"{lo:.2f}x-{hi:.2f}x {slow_name}'s speed (interquartile range, median {mid:.2f}x)")
+    return f"{fast_name} ran {mid:.2f}x {slow_name}'s speed (per round, interquartile range {lo:.2f}x-{hi:.2f}x)"
+
+
 def peak_mem_mb(fn: Callable[[], Any], device: str | torch.device) -> float | None:
     """CUDA: the most memory one call of ``fn`` allocates above what was allocated before it (MiB);
     None on the CPU (not measured)."""
