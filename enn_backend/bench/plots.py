@@ -40,7 +40,10 @@ def write_plots(result: dict[str, Any], out_dir: str, stem: str) -> tuple[dict[s
     if any(sp):
         fig, ax = plt.subplots(figsize=(10, 0.35 * len(wls) + 1.5))
         colors = ["tab:green" if x >= 1.0 else ("tab:orange" if x >= 0.97 else "tab:red") for x in sp]
-        ax.barh(labels, sp, color=colors)
+        # bars grow from 1.0 (parity) on an axis fitted to the ratios: from 0 they would hide
+        # the few percent that separate the backends
+        ax.barh(labels, [x - 1.0 for x in sp], left=1.0, color=colors)
+        ax.set_xlim(min(min(sp), 0.95) - 0.02, max(max(sp), 1.05) + 0.02)
         ax.axvline(1.0, color="black", lw=0.8)
         ax.axvline(0.97, color="gray", lw=0.8, ls="--")
         ax.set_xlabel("speedup of enn over inductor (step time ratio, >1 = enn faster)")
