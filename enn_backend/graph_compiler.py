@@ -43,6 +43,7 @@ class GraphCompiler:
         self.opts = opts
         self.unit = unit
         self.kwargs = dict(kwargs)
+        self.cudagraphs_ok = True  # False once the guard met a fault here: see build()
         self.phase = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
         self.eager_gm = E.copy_gm(gm)
         self.example_inputs = list(example_inputs)
@@ -148,8 +149,23 @@ class GraphCompiler:
         return boxed_eager(self.eager_gm)
 
     # ---------------------------------------------------------------- building
+    @property
+    def cudagraphs(self) -> bool:
+        """Whether Inductor wraps this graph's artifacts in CUDA graphs (``mode="reduce-overhead"``)."""
+        box = self.kwargs.get("cudagraphs")
+        return bool(box) if box is not None else bool(compat.inductor_config.triton.cudagraphs)
+
     def build(self, extra_pins: frozenset[str] = frozenset(), fp32: bool | None = None, quiet: bool = False) -> Callable[[list], Any]:
-        """Compile the graph with the current pins (+ ``extra_pins``), down the ladder."""
+        """Compile the graph with the current pins (+ ``extra_pins``), down the ladder.
+
+        ``quiet``: a localization trial, not recorded.
+
+        Once the guard has met a fault in this graph (``cudagraphs_ok`` False), what it builds --
+        trials and the artifact it adopts -- is not wrapped in CUDA graphs: Inductor's CUDA-graph
+        trees tie each graph's memory to the step's forward / backward order, which trials run
+        outside of (their replays would recycle outputs autograd still holds), and an artifact
+        swapped in mid-step would not find its inputs in the tree's pool. A kernel computes the
+        same values with or without the graph around it."""
         fp32 = self.fp32 if fp32 is None else fp32
         pins = self.pinned_now(extra_pins)
         base = self.fp32_gm() if fp32 else self.eager_gm
@@ -192,13 +208,16 @@ class GraphCompiler:
         return compiled
 
     def _compile(self, gm: fx.GraphModule, *, enn: bool) -> Any:
-        patches = dict(self.config_patches)
+        patches, kwargs = dict(self.config_patches), self.kwargs
         if not enn:  # None, not absent: compile_fx's own patch around a first compile still holds enn's passes
             patches.update(post_grad_custom_post_pass=None, post_grad_custom_pre_pass=None)
+        if self.cudagraphs and not self.cudagraphs_ok:
+            kwargs = compat.without_cudagraphs(kwargs)
+            patches["triton.cudagraphs"] = False
         # compile_lock: the guard recompiles at run time, possibly while another thread compiles
         with compat.compile_lock(), compat.tracing_context(self.tracing_ctx), compat.inductor_config.patch(patches), \
                 enn_lowerings(enabled=enn):
-            return compat.compile_fx_inner(gm, self.example_inputs, **self.kwargs)
+            return compat.compile_fx_inner(gm, self.example_inputs, **kwargs)
 
     def adopt(self, compiled: Any, pins: frozenset[str] = frozenset(), fp32: bool = False) -> None:
         """Make a recompiled artifact (with ``pins`` / fp32) the graph's fast path."""

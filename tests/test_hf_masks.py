@@ -17,6 +17,7 @@ from pass_harness import find_ops, run_passes
 transformers = pytest.importorskip("transformers")
 
 from _hf import no_dropout  # noqa: E402
+from enn_backend.passes.attention.sdpa_calls import SDPA_OPS  # noqa: E402
 
 LAYERS, SEQ, PADDED = 2, 16, 5
 
@@ -193,6 +194,8 @@ class _AutocastLogits(_Logits):
 
 CUDNN = torch.ops.aten._scaled_dot_product_cudnn_attention.default
 EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
+CUDNN_BWD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
+EFFICIENT_BWD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
 
 
 @pytest.mark.gpu
@@ -220,9 +223,13 @@ def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_b
     with torch.no_grad():
         want = model(ids, mask)
     torch.testing.assert_close(run.output[1, :PADDED].float(), want[1, :PADDED].float(), atol=3e-2, rtol=3e-2)
-    # Gradients under bf16 autocast differ from eager's by bf16 rounding (on the order of 0.4 here,
-    # with or without padding, whichever kernel): judged against the same model run in fp32, enn
-    # must be about as close as eager is (bench/gpu_key_padding_accuracy.py measures both).
+    _assert_as_close_to_fp32_as_eager(model, run, ids, mask)
+
+
+def _assert_as_close_to_fp32_as_eager(model, run, ids, mask) -> None:
+    """Gradients under bf16 autocast differ from eager's by bf16 rounding (on the order of 0.4 here,
+    with or without padding, whichever kernel): judged against the same model run in fp32, enn
+    must be about as close as eager is (bench/gpu_key_padding_accuracy.py measures both)."""
     wrt = [p for p in model.parameters() if p.requires_grad]
     g = torch.randn(run.output.shape, generator=torch.Generator().manual_seed(0)).to(run.output.device)
     ref_out = _Logits(model.model)(ids, mask)
@@ -234,6 +241,79 @@ def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_b
                      + [(a.float() - r).abs().max().item() for a, r in zip(grads, ref[1])])
            for name, (out, grads) in results.items()}
     assert err["enn"] <= 2 * err["eager"] + 1e-3, err
+
+
+def _cuda_sdpa_kernels(graph) -> list:
+    return find_ops(graph, CUDNN) + find_ops(graph, EFFICIENT) + find_ops(graph, CUDNN_BWD) + find_ops(graph, EFFICIENT_BWD)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_hf_sdpa_causal_mask_on_cuda_becomes_the_causal_flag(family, monkeypatch):
+    """HF's SDPA path on CUDA hands cuDNN (or memory-efficient) attention its materialized
+    ``where(mask, 0, fill)`` bias; read back as a causal band, the kernel gets is_causal and no
+    bias tensor, forward and backward, and no T x T tensor is left."""
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    model = _AutocastLogits(_model(family, "sdpa").cuda())
+    ids = torch.randint(3, 128, (B, 24), device="cuda")
+    run = run_passes(model, [ids], ["attention"], training=True)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all(c["causal"] and not c["key_padding"] for c in got), got
+    kernels = _cuda_sdpa_kernels(run.after)
+    assert len(kernels) == 2 * LAYERS, [n.format_node() for n in kernels]
+    for n in kernels:
+        fwd = SDPA_OPS.get(n.target)
+        op = fwd or next(o for o in SDPA_OPS.values() if o.backward is n.target)
+        mask, causal = (op.mask, op.causal) if fwd else (op.backward_mask, op.backward_causal)
+        assert mask.get(n) is None and causal.get(n) is True, n.format_node()
+    assert not _square(run.after, 24)
+    _assert_as_close_to_fp32_as_eager(model, run, ids, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hf_sdpa_left_padding_on_cuda_keeps_its_mask_with_the_reason(monkeypatch):
+    """With left padding the first query rows keep no key; the CUDA kernels weigh such a row by its
+    raw scores over every key when the mask holds a finite fill, which a causal flag would change:
+    the mask stays, with the reason, and the result is eager's."""
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    model = _AutocastLogits(_model("qwen2", "sdpa").cuda())
+    mask = torch.ones(B, 24, dtype=torch.long, device="cuda")
+    mask[1, :PADDED] = 0
+    ids = torch.randint(3, 128, (B, 24), device="cuda").masked_fill(mask == 0, 0)
+    run = run_passes(model, [ids, mask], ["attention"], training=True)
+    got = _sdpa_choices(run)
+    assert len(got) == LAYERS and all("keeps no key" in c["reason"] for c in got), got
+    with torch.no_grad():
+        torch.testing.assert_close(run.output.float(), model(ids, mask).float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hf_bert_sdpa_padding_on_cuda_becomes_a_broadcast_padding_mask(monkeypatch):
+    """An encoder's padding mask (no band) reaches the kernel as a [B, 1, 1, Tk] mask broadcast as
+    a view, with the same fill at the same keys: every row equals what the model computes."""
+    from _hf import build
+
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    model, kwargs = build("bert", "sdpa", device="cuda")
+
+    class Encoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return self.model(input_ids=ids, attention_mask=mask).logits
+
+    ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
+    run = run_passes(Encoder(), [ids, mask], ["attention"], training=True)
+    got = _sdpa_choices(run)
+    assert got and all(c.get("key_padding") and not c["causal"] for c in got), got
+    assert not _square(run.after, ids.shape[1])
+    run.check_eager()
 
 
 # ----------------------------------------------------------------------------- near misses

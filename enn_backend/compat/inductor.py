@@ -17,6 +17,7 @@ from torch._inductor.decomposition import select_decomp_table  # noqa: F401
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.fx_passes.post_grad import remove_noop_ops  # noqa: F401
 from torch._inductor.pattern_matcher import stable_topological_sort  # noqa: F401
+from torch._inductor.utils import BoxedBool
 
 try:  # 2.6+: passes must be CustomGraphPass objects with a uuid() or the FX cache is bypassed
     from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -135,6 +136,13 @@ def clear_inductor_memory_caches() -> None:
     from torch._inductor import utils
 
     (getattr(utils, "clear_caches", None) or utils.clear_inductor_caches)()
+
+
+def without_cudagraphs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``compile_fx_inner``'s kwargs for a compile that must not be wrapped in CUDA graphs. Its
+    ``cudagraphs`` box is shared by every graph of one ``compile_fx`` call (Inductor sets it to
+    False to turn CUDA graphs off for them all), so it is replaced, never set."""
+    return dict(kwargs, cudagraphs=BoxedBool(False))
 
 
 def inductor_cache_dir() -> str:

@@ -186,6 +186,7 @@ class FaultLadder:
                       bad: list) -> Any:
         rec, phase, R = self.record, self.record.phase, report()
         t0 = time.perf_counter()
+        no_cudagraphs = self._leave_cudagraphs()
 
         def still_faulty(pins: frozenset[str]) -> bool:
             # a pin set found fault-free before re-runs its kept artifact (localize confirms)
@@ -214,11 +215,15 @@ class FaultLadder:
             # a flaky kernel passes some runs: a clean verdict needs every confirming run clean
             return any(still_faulty(pins) for _ in range(CONFIRM_RUNS))
 
+        def adoptable(pins: frozenset[str]) -> Any:
+            kept = trial_cache.get(pins)  # a clean trial's artifact
+            return kept if kept is not None else self.compiler.build(extra_pins=pins)
+
         trial_cache: dict[frozenset[str], Any] = {}
         known = self.compiler.recorded_pins()
         if known and not reproduces(known):
             # kernel state learned these kernels' fault since this graph was compiled
-            loc, nodes, new = Localization(pinned=sorted(known), trials=1), ",".join(sorted(known)), trial_cache[known]
+            loc, nodes, new = Localization(pinned=sorted(known), trials=1), ",".join(sorted(known)), adoptable(known)
             action = (f"pinned {len(known)} op(s) whose kernels kernel state records as faulty, after 1 trial "
                       f"recompile in {time.perf_counter() - t0:.1f}s")
             localized = False  # the graph that localized them wrote the repro
@@ -226,7 +231,7 @@ class FaultLadder:
             # A fresh compile of the same graph, with the same pins, runs this call cleanly: the
             # fault was in the artifact or transient, and no node can be blamed on this evidence.
             loc, nodes, localized = None, "<graph>", False
-            new = trial_cache[frozenset()]
+            new = adoptable(frozenset())
             action = (f"recompiled the graph with no new pins in {time.perf_counter() - t0:.1f}s: the fault did not "
                       "reproduce on a fresh compile of the same graph, so no op is blamed")
         else:
@@ -247,7 +252,7 @@ class FaultLadder:
             else:
                 nodes = ",".join(loc.pinned)
                 pins = frozenset(loc.pinned)
-                new = trial_cache.get(pins) or self.compiler.build(extra_pins=pins)
+                new = adoptable(pins)
                 total = self.compiler.compute_nodes
                 action = (f"pinned {len(loc.pinned)} op(s) to eager after {loc.trials + 1} trial recompile(s) "
                           f"in {elapsed:.1f}s; {total - len(self.compiler.pinned_now(pins))} of {total} ops stay "
@@ -266,7 +271,8 @@ class FaultLadder:
                 f"Eager's result is right where the compiled one is not, so the compiled kernel is at fault. "
                 f"Set guard='nonfinite' to fall back automatically."
             ) from exc
-        R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action, sites=sites)
+        R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action + no_cudagraphs,
+                       sites=sites)
         self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
         self._adopt(new)
         self._settle(call)
@@ -274,6 +280,14 @@ class FaultLadder:
             mutated = None if call.snapshot is None else [call.snapshot[self.written.index(i)] for i in self.compiler.mutated]
             self.compiler.write_repro(kind=kind, what=what, inputs=call.inputs, snapshot=mutated, nodes=nodes)
         return ref
+
+    def _leave_cudagraphs(self) -> str:
+        """What the guard builds for this graph from now on runs without CUDA graphs (see
+        GraphCompiler.build); the note for the report ("" when the graph had none)."""
+        if not (self.compiler.cudagraphs and self.compiler.cudagraphs_ok):
+            return ""
+        self.compiler.cudagraphs_ok = False
+        return "; this graph runs without CUDA graphs from now on (mode reduce-overhead)"
 
     def _suspects(self, kind: str, bad: list | None,
                   exc: BaseException | None) -> tuple[list[list[str]], frozenset[str], str]:
@@ -357,13 +371,14 @@ class FaultLadder:
                 f"enn (guard=strict): graph {rec.id} (phase {phase}) overflows in low precision ({what}); fp32 is finite."
             )
         self._count_fault()
+        no_cudagraphs = self._leave_cudagraphs()
         new = self.compiler.build(fp32=True)
         self.compiler.adopt(new, fp32=True)
         self._adopt(new)
         self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)
         R.add_fallback(FallbackKind.PRECISION, node="<graph>", phase=phase, graph=rec,
                        reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
-                       action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run")
+                       action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run" + no_cudagraphs)
         rec.promotions.append({"node": "<graph>", "reason": "master-dtype retry: low precision overflowed"})
         return out32
 

@@ -3,14 +3,26 @@
 transformers (``attn_implementation="sdpa"``) calls ``F.scaled_dot_product_attention`` itself, and
 under ``torch.compile`` always with a materialized ``[B, 1, Tq, Tk]`` boolean mask built by
 ``masking_utils`` (causal or sliding-window ``arange`` compares, ``and``-ed with the ``[B, T]``
-padding vector), which SDPA turns into ``where(mask, 0, -inf)``. When that mask is causal, with
-or without key padding (:func:`~.provenance.keep_structure`), the kernel gets ``is_causal`` and, for
-padding, a ``[B, 1, 1, Tk]`` mask broadcast as a view (no T x T tensor), built once per mask and
-shared by every layer that reads it. The kernel drops the same keys; on the CPU flash kernel
-the values and gradients are bit-identical, rows whose keys are all masked included (both give
-them zeros). A re-planned call is enn's choice: it is tagged as emitted, so the guard's eager
-reference runs the op's safe path (enn's math), not the re-planned kernel. Anything else keeps
-the mask as written, with the reason in the report.
+padding vector), which SDPA turns into an additive ``where(mask, 0, fill)`` for its kernel (``fill``
+is -inf for the CPU flash and memory-efficient kernels, a large finite negative for cuDNN). When
+that mask is a causal band or key padding (:func:`~.provenance.keep_structure`), the kernel gets
+``is_causal`` and, for padding, a ``[B, 1, 1, Tk]`` mask with the same fill, broadcast as a view
+(no T x T tensor), built once per mask and shared by every layer that reads it.
+
+What the kernel computes is unchanged wherever a query row keeps a key: a dropped key weighs
+``exp(fill) = 0`` either way. A row that keeps no key is what the kernel makes of a row masked
+whole, so the two must agree on it:
+
+- key padding alone: the new mask holds the same fill at the same keys, so such a row is the same;
+- a causal band alone: every row keeps its own key;
+- a causal band with key padding (left padding): the rows before a sequence's first kept key keep
+  none. The CPU flash kernel gives such a row zeros whether its keys are dropped by the causal
+  flag or by -inf (bit-identical); the CUDA kernels weigh a row masked whole with a finite fill by
+  its raw scores over every key, which the causal flag would change, so there the mask stays.
+
+A re-planned call is enn's choice: it is tagged as emitted, so the guard's eager reference runs
+the op's safe path (enn's math) where it has one (custom_ops/attention/safe_paths.py). Anything
+else keeps the mask as written, with the reason in the report.
 """
 
 from __future__ import annotations
@@ -32,23 +44,50 @@ from .match import scalar
 aten = torch.ops.aten
 
 
+class Arg(NamedTuple):
+    """One argument of an op: its position (None: keyword-only) and name."""
+
+    pos: Optional[int]
+    name: str
+
+    def get(self, n: fx.Node, default: Any = None) -> Any:
+        if self.pos is not None and len(n.args) > self.pos:
+            return n.args[self.pos]
+        return n.kwargs.get(self.name, default)
+
+    def set(self, n: fx.Node, value: Any) -> None:
+        if self.pos is not None and len(n.args) > self.pos:
+            n.update_arg(self.pos, value)
+        else:
+            n.update_kwarg(self.name, value)
+
+
 class SdpaOp(NamedTuple):
     backend: Backend
     backward: Any
-    dropout_arg: int  # positions of dropout_p / is_causal in the forward's and backward's args
-    causal_arg: int
-    backward_causal_arg: int
+    mask: Arg  # the forward's additive mask, dropout and causal flag
+    dropout: Arg
+    causal: Arg
+    backward_mask: Arg
+    backward_causal: Arg
+    zero_dead_rows: bool  # a row whose every key is masked comes out as zeros, however they are masked
 
 
-# The SDPA ops whose mask and causal flag are arguments (CPU flash: ``attn_mask`` keyword).
+# The SDPA ops whose mask and causal flag are arguments, as the dispatcher picked them when the
+# graph was traced. Flash on CUDA takes no mask: a call with one never reaches it.
+_MASK, _DROPOUT, _CAUSAL = Arg(3, "attn_bias"), Arg(5, "dropout_p"), Arg(6, "is_causal")
 SDPA_OPS: dict[Any, SdpaOp] = {
     aten._scaled_dot_product_flash_attention_for_cpu.default: SdpaOp(
-        Backend.CPU_FLASH, aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 3, 4, 7),
+        Backend.CPU_FLASH, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        Arg(None, "attn_mask"), Arg(3, "dropout_p"), Arg(4, "is_causal"), Arg(None, "attn_mask"), Arg(7, "is_causal"),
+        zero_dead_rows=True),
+    aten._scaled_dot_product_cudnn_attention.default: SdpaOp(
+        Backend.CUDNN, aten._scaled_dot_product_cudnn_attention_backward.default,
+        _MASK, _DROPOUT, _CAUSAL, Arg(8, "attn_bias"), Arg(14, "is_causal"), zero_dead_rows=False),
+    aten._scaled_dot_product_efficient_attention.default: SdpaOp(
+        Backend.EFFICIENT, aten._scaled_dot_product_efficient_attention_backward.default,
+        _MASK, _DROPOUT, _CAUSAL, Arg(4, "attn_bias"), Arg(11, "is_causal"), zero_dead_rows=False),
 }
-
-
-def _arg(n: fx.Node, pos: int, name: str, default: Any) -> Any:
-    return n.args[pos] if len(n.args) > pos else n.kwargs.get(name, default)
 
 
 def _number(n: Any) -> Optional[float]:
@@ -57,33 +96,39 @@ def _number(n: Any) -> Optional[float]:
     return scalar(n)
 
 
-def _keep_of(mask: Any) -> Optional[fx.Node]:
-    """The boolean keep-mask of SDPA's additive ``where(keep, 0, -inf)`` (what it makes of a bool mask)."""
+# The fills SDPA's boolean-mask conversion uses: -inf, or (cuDNN) fp16's lowest, which drops a
+# key as surely: exp(scores - 65504) is 0 in the kernels' fp32.
+_DROPS_KEY = -65504.0
+
+
+def _keep_of(mask: Any) -> tuple[Optional[fx.Node], float]:
+    """The boolean keep-mask of SDPA's additive ``where(keep, 0, fill)`` (what it makes of a bool
+    mask) and its fill; (None, nan) for any other mask."""
     if not is_call(mask, aten.where.self):
-        return None
+        return None, float("nan")
     cond, a, b = mask.args
-    if _number(a) == 0.0 and _number(b) == float("-inf"):
-        return cond
-    return None
+    fill = _number(b)
+    if _number(a) == 0.0 and fill is not None and fill <= _DROPS_KEY:
+        return cond, fill
+    return None, float("nan")
 
 
-def _padding_mask(em: Emitter, ks: KeepStructure, like: fx.Node) -> fx.Node:
-    """``where(vector[:, None, None, :], 0, -inf)`` as ``like``'s dtype, broadcast to its shape."""
+def _padding_mask(em: Emitter, ks: KeepStructure, like: fx.Node, fill: float) -> fx.Node:
+    """``where(vector[:, None, None, :], 0, fill)`` as ``like``'s dtype, broadcast to its shape."""
     v = em.call(aten.unsqueeze.default, (em.call(aten.unsqueeze.default, (ks.key_padding, 1)), 1))
-    dtype = like.meta["val"].dtype
-    zero = em.call(aten.scalar_tensor.default, (0.0,), {"dtype": dtype, "device": like.meta["val"].device})
-    ninf = em.call(aten.scalar_tensor.default, (float("-inf"),), {"dtype": dtype, "device": like.meta["val"].device})
-    small = em.call(aten.where.self, (v, zero, ninf))
+    like_val = like.meta["val"]
+    zero = em.call(aten.scalar_tensor.default, (0.0,), {"dtype": like_val.dtype, "device": like_val.device})
+    low = em.call(aten.scalar_tensor.default, (fill,), {"dtype": like_val.dtype, "device": like_val.device})
+    small = em.call(aten.where.self, (v, zero, low))
     return em.call(aten.expand.default, (small, list(shape(like))))
 
 
 def _plan(n: fx.Node, op: SdpaOp) -> tuple[Optional[KeepStructure], str]:
-    mask = n.kwargs.get("attn_mask")
-    if scalar(_arg(n, op.dropout_arg, "dropout_p", 0.0)) != 0.0:
+    if scalar(op.dropout.get(n, 0.0)) != 0.0:
         return None, "attention dropout"
-    keep = _keep_of(mask)
+    keep, _ = _keep_of(op.mask.get(n))
     if keep is None:
-        return None, "a float mask that is not SDPA's where(mask, 0, -inf) of a boolean mask"
+        return None, "a float mask that is not SDPA's where(mask, 0, fill) of a boolean mask"
     q, k = n.args[0], n.args[1]
     tq, tk = shape(q)[-2], shape(k)[-2]
     ks, why = keep_structure(keep, Dims(tq, tk, shape(q)[1]), shape(q)[0], current_module_state())
@@ -94,6 +139,9 @@ def _plan(n: fx.Node, op: SdpaOp) -> tuple[Optional[KeepStructure], str]:
         return None, f"{ks.describe()}: the kernel has no sliding-window flag"
     if kind == "causal" and tq != tk:
         return None, "causal mask with Tq != Tk (SDPA's causal is top-left aligned)"
+    if kind == "causal" and ks.key_padding is not None and not op.zero_dead_rows:
+        return None, (f"{ks.describe()}: a query row that keeps no key (left padding) is weighed by its raw "
+                      "scores over every key in this kernel, which a causal flag would change")
     return ks, ""
 
 
@@ -103,29 +151,27 @@ def replan_sdpa_calls(graph: fx.Graph, mode: Any, ctx: PassContext) -> int:
     made: dict[tuple, fx.Node] = {}  # (padding vector, shape, dtype) -> the mask every call reading it gets
     for n in list(graph.nodes):
         op = SDPA_OPS.get(n.target) if n.op == "call_function" else None
-        if op is None or n.meta.get(EMITTED) or n.kwargs.get("attn_mask") is None or _arg(
-                n, op.causal_arg, "is_causal", False):
+        if op is None or n.meta.get(EMITTED) or op.mask.get(n) is None or op.causal.get(n, False):
             continue  # enn's own kernel, nothing materialized, or a mask already re-planned (structure in the flag)
         ks, why = _plan(n, op)
         if ks is None:
             ctx.kernel_choice(n, op.backend.value, f"model's SDPA call keeps its materialized mask: {why}",
                               fused=False, sdpa_call=True)
             continue
-        mask = n.kwargs["attn_mask"]
+        mask = op.mask.get(n)
         new_mask, causal = None, ks.band[0] == "causal"
         if ks.key_padding is not None:
-            key = (ks.key_padding, shape(mask), mask.meta["val"].dtype)
+            fill = _keep_of(mask)[1]
+            key = (ks.key_padding, shape(mask), mask.meta["val"].dtype, fill)
             if key not in made:
-                made[key] = _padding_mask(Emitter(graph, mode, n), ks, mask)
+                made[key] = _padding_mask(Emitter(graph, mode, n), ks, mask, fill)
             new_mask = made[key]
         backward = [u for u in graph.nodes if u.target is op.backward and u.args[1:4] == n.args[0:3]
-                    and u.kwargs.get("attn_mask") is mask]
-        for node, pos in [(n, op.causal_arg)] + [(b, op.backward_causal_arg) for b in backward]:
-            if len(node.args) > pos:
-                node.update_arg(pos, causal)
-            else:
-                node.update_kwarg("is_causal", causal)
-            node.update_kwarg("attn_mask", new_mask)
+                    and op.backward_mask.get(u) is mask]
+        edits = [(n, op.causal, op.mask)] + [(b, op.backward_causal, op.backward_mask) for b in backward]
+        for node, causal_arg, mask_arg in edits:
+            causal_arg.set(node, causal)
+            mask_arg.set(node, new_mask)
             node.meta[EMITTED] = True  # enn's choice now: the guard's reference runs the op's safe path
         ctx.kernel_choice(n, op.backend.value,
                           f"model's SDPA call re-planned from its mask's provenance ({ks.describe()}): "
