@@ -312,7 +312,14 @@ def test_hf_bert_sdpa_padding_on_cuda_becomes_a_broadcast_padding_mask(monkeypat
     run = run_passes(Encoder(), [ids, mask], ["attention"], training=True)
     got = _sdpa_choices(run)
     assert got and all(c.get("key_padding") and not c["causal"] for c in got), got
-    assert not _square(run.after, ids.shape[1])
+    kernels = _cuda_sdpa_kernels(run.after)
+    masks = set()
+    for n in kernels:
+        fwd = SDPA_OPS.get(n.target)
+        op = fwd or next(o for o in SDPA_OPS.values() if o.backward is n.target)
+        masks.add(_padding_bias((op.mask if fwd else op.backward_mask).get(n)))
+    (mask,) = masks  # one [B, 1, 1, Tk] mask for every layer, forward and backward
+    assert tuple(mask.meta["val"].shape) == (ids.shape[0], 1, 1, ids.shape[1]), mask.format_node()
     run.check_eager()
 
 
