@@ -226,13 +226,14 @@ def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_b
     _assert_as_close_to_fp32_as_eager(model, run, ids, mask)
 
 
-def _assert_as_close_to_fp32_as_eager(model, run, ids, mask) -> None:
+def _assert_as_close_to_fp32_as_eager(model, run, ids, mask, fp32=None) -> None:
     """Gradients under bf16 autocast differ from eager's by bf16 rounding (on the order of 0.4 here,
-    with or without padding, whichever kernel): judged against the same model run in fp32, enn
-    must be about as close as eager is (bench/gpu_key_padding_accuracy.py measures both)."""
+    with or without padding, whichever kernel): judged against the same model run in fp32
+    (``fp32``, default: the model without its autocast wrapper), enn must be about as close as
+    eager is (bench/gpu_key_padding_accuracy.py measures both)."""
     wrt = [p for p in model.parameters() if p.requires_grad]
     g = torch.randn(run.output.shape, generator=torch.Generator().manual_seed(0)).to(run.output.device)
-    ref_out = _Logits(model.model)(ids, mask)
+    ref_out = (fp32 or _Logits(model.model))(ids, mask)
     eager_out = model(ids, mask)
     results = {name: (out, torch.autograd.grad(out, wrt, g.to(out.dtype)))
                for name, out in (("enn", run.output), ("eager", eager_out), ("fp32", ref_out))}
@@ -299,17 +300,9 @@ def test_hf_bert_sdpa_padding_on_cuda_becomes_a_broadcast_padding_mask(monkeypat
     monkeypatch.delenv("ENN_ATTENTION_ORDER")
     model, kwargs = build("bert", "sdpa", device="cuda")
 
-    class Encoder(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, ids, mask):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                return self.model(input_ids=ids, attention_mask=mask).logits
-
+    encoder = _AutocastLogits(model)
     ids, mask = kwargs["input_ids"], kwargs["attention_mask"]
-    run = run_passes(Encoder(), [ids, mask], ["attention"], training=True)
+    run = run_passes(encoder, [ids, mask], ["attention"], training=True)
     got = _sdpa_choices(run)
     assert got and all(c.get("key_padding") and not c["causal"] for c in got), got
     kernels = _cuda_sdpa_kernels(run.after)
@@ -320,7 +313,9 @@ def test_hf_bert_sdpa_padding_on_cuda_becomes_a_broadcast_padding_mask(monkeypat
         masks.add(_padding_bias((op.mask if fwd else op.backward_mask).get(n)))
     (mask,) = masks  # one [B, 1, 1, Tk] mask for every layer, forward and backward
     assert tuple(mask.meta["val"].shape) == (ids.shape[0], 1, 1, ids.shape[1]), mask.format_node()
-    run.check_eager()
+    with torch.no_grad():
+        torch.testing.assert_close(run.output.float(), encoder(ids, kwargs["attention_mask"]).float(), atol=3e-2, rtol=3e-2)
+    _assert_as_close_to_fp32_as_eager(encoder, run, ids, kwargs["attention_mask"], fp32=_Logits(model))
 
 
 # ----------------------------------------------------------------------------- near misses
