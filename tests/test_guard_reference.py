@@ -12,6 +12,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import enn_backend
+from enn_backend import backend as backend_module
+from enn_backend import compat
 from enn_backend.guard import graph_edit as E
 from enn_backend.guard import runtime as R
 from enn_backend.guard import screen as S
@@ -179,6 +181,7 @@ def test_values_that_only_the_reference_gets_wrong_blame_nobody():
     rep = enn_backend.report().to_dict()
     assert rep["fallbacks"] == [] and rep["graphs"][0]["pinned"] == []
     assert rep["graphs"][0]["counters"]["value_reference_outlier"] == 1  # they did differ
+    assert enn_backend.report().counters["guard.dynamo_reference_outlier"] == 1  # the Dynamo graph rounds too
 
 
 def test_a_fused_backward_whose_gradients_are_viewed_is_rerun_and_pinned():
@@ -254,3 +257,41 @@ def test_a_forwards_saved_integers_are_bookkeeping_its_results_are_not():
     saved_ints = {i for i, n in enumerate(outs) if isinstance(n, torch.fx.Node)
                   and not n.meta["val"].is_floating_point() and i >= 2}
     assert saved_ints and saved_ints <= compiler.bookkeeping and not {0, 1} & compiler.bookkeeping
+
+
+def test_a_wrong_decomposition_is_caught_against_the_dynamo_graph(monkeypatch):
+    """A decomposition applied while AOT Autograd traces (here a wrong one for softplus) makes the
+    compiled code and enn's eager copy agree on a wrong value: the graph Dynamo handed over, judged
+    right by its fp64 run, gives the call's result and gradients and runs the unit from then on."""
+    table = backend_module.decomposition_table
+    wrong = {torch.ops.aten.softplus.default: lambda x, beta=1, threshold=20: torch.relu(x)}
+    monkeypatch.setattr(backend_module, "decomposition_table", lambda precision: {**table(precision), **wrong})
+
+    def f(x, w):
+        return torch.nn.functional.softplus(x * w).sum(-1)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 8, generator=g), torch.randn(8, generator=g, requires_grad=True)
+    want = f(x, w)
+    (want_grad,) = torch.autograd.grad(want.sum(), w)
+    with compat.no_aot_autograd_cache():
+        compiled = torch.compile(f, backend="enn", options=ISOLATED)
+        for _ in range(2):
+            got = compiled(x, w)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(torch.autograd.grad(got.sum(), w)[0], want_grad)
+    rep = enn_backend.report()
+    (fb,) = rep.to_dict()["fallbacks"]
+    assert fb["kind"] == "dynamo_graph" and "fp64 run sides with Dynamo's graph" in fb["reason"], fb
+    assert rep.counters["fallback.dynamo_graph"] == 1
+    fwd = next(r for r in rep.graphs if r.phase == "forward")
+    assert fwd.counters["calls"] == 1  # the second call ran the Dynamo graph, not the compiled unit
+
+
+def test_a_random_unit_is_not_compared_with_the_dynamo_graph():
+    """Random draws differ from eager's by design: the unit's first check sees the RNG move and
+    turns the Dynamo-graph reference off (counted), blaming nothing."""
+    compiled = torch.compile(lambda x: torch.nn.functional.dropout(x, 0.5) + x, backend="enn", options=ISOLATED)
+    compiled(torch.randn(64))
+    assert enn_backend.report().to_dict()["fallbacks"] == []
+    assert enn_backend.report().counters["guard.dynamo_reference_off"] == 1
