@@ -29,7 +29,9 @@ from .aot_cache import WarmStart, content_digest, offer
 from .debug.log import log_compiled_graph
 from .decompositions import decomposition_table
 from .graph_compiler import GraphCompiler
+from .guard.calls import flat_args
 from .guard.faults import parse_fault_spec
+from .guard.dynamo_reference import DynamoReference
 from .guard.runtime import GuardedGraph
 from .options import Options
 from .passes import PassFailed, PassManager, module_state
@@ -107,8 +109,9 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
                                      decompositions=decompositions)
     assumed = warm.assumed if warm.hit else {i: content_digest(t) for i, t in state.assumed.items()}
     if assumed:
-        return BufferContentGuard(compiled, _fresh(pristine), assumed, unit)
-    return compiled
+        compiled = BufferContentGuard(compiled, _fresh(pristine), assumed, unit)
+    # the value check's second reference: the graph Dynamo handed over (guard/dynamo_reference.py)
+    return DynamoReference.wrap(compiled, _fresh(pristine), opts, unit)
 
 
 def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_specs: tuple) -> Callable[..., Any]:
@@ -164,8 +167,7 @@ class BufferContentGuard:
         return ok
 
     def __call__(self, *args: Any) -> Any:
-        boxed = len(args) == 1 and isinstance(args[0], list)  # called with one list of inputs
-        flat = args[0] if boxed else args
+        flat, boxed = flat_args(args)
         if self._unchanged(flat):
             return self.compiled(*args)
         out = self.eager(*flat)

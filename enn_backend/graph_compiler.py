@@ -65,6 +65,10 @@ class GraphCompiler:
         donated = compat.donated_inputs() if self.phase == "backward" else []
         self.written = sorted(set(self.mutated) | set(donated))
         self.random = E.has_random_ops(self.eager_gm)
+        # a training forward's outputs past its results are saved for the backward: their
+        # integers are bookkeeping, which the value check compares by dtype and shape only
+        results = compat.forward_results(self.tracing_ctx) if self.phase == "forward" else None
+        self.bookkeeping = frozenset(range(results, len(E.output_nodes(self.eager_gm)))) if results is not None else frozenset()
         self.pinned_names: frozenset[str] = self._pins_from_state() | self._known_miscompile_pins()
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None

@@ -50,6 +50,7 @@ class FallbackKind(str, enum.Enum):
     PRECISION_SKIPPED = "precision_skipped"  # a precision feature did not apply (e.g. bf16 params)
     PINNED_FROM_STATE = "pinned_from_state"  # nodes pinned at compile time from persisted state
     KNOWN_MISCOMPILE = "known_miscompile"  # a node Inductor is known to compute wrong (compat.KNOWN_MISCOMPILES), pinned
+    DYNAMO_GRAPH = "dynamo_graph"  # compiled and eager copy agree, the graph Dynamo handed over (closer to fp64) differs: it runs
     BUFFER_CHANGED = "buffer_changed"  # a module buffer lost the content its graph was compiled for
     FAULT_NOT_PLANTED = "fault_not_planted"  # a fault_inject spec reached no graph of a compiled unit
 

@@ -7,8 +7,12 @@ gradient are wrong. Even ``backend="aot_eager"`` is wrong: the ATen graph enn re
 AOT Autograd, and so enn's eager copy, already computes the wrong loss. Only the graph as Dynamo
 handed it over (before AOT Autograd and decompositions) is a right reference.
 Torch: wrong under Inductor and aot_eager on 2.11 and 2.13 (CPU); right on 2.14 and 2.15.
-Covered by: value_check against the Dynamo graph (the guard's reference where the eager copy
-itself is suspect); enn's eager copy cannot show it.
+Covered by: value_check against the Dynamo graph (guard/dynamo_reference.py): on the unit's first
+call the compiled loss and the eager copy's (both 1.96) differ from the graph Dynamo handed over,
+run eagerly (1.48), whose fp64 run sides with it: a ``dynamo_graph`` fallback, the call returns the
+Dynamo graph's loss with its gradient (eager's autograd), and the unit runs the Dynamo graph from
+then on. Gradients are not compared with the Dynamo graph's: a decomposition wrong only in its
+backward would not be caught (here the forward is wrong too, which is what the check sees).
 """
 
 import sys
@@ -16,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from upstream_corpus import awaiting_value_check, check, main
+from upstream_corpus import check, main
 
 ISSUE = 185464
 MECHANISM = "value_check"
@@ -31,8 +35,6 @@ def make_inputs():
     return [torch.tensor([[1.0, -1.0, 0.5, 0.3, -0.2]], requires_grad=True), torch.tensor([[0, 1, -1, -1, -1]])]
 
 
-@awaiting_value_check(FIXED_IN, "enn's eager copy computes the same wrong loss (the decomposition runs while "
-                                "AOT Autograd traces), and the value check has no Dynamo-graph reference")
 def test_upstream_185464_multilabel_margin_decomposition():
     assert not check(multilabel_margin, make_inputs, grad=True)
 

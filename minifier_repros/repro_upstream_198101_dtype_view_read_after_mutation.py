@@ -7,14 +7,15 @@ mutated ``x``, so three of every six elements come back wrong, no error.
 Torch: wrong under Inductor on 2.11, 2.13, 2.14 and 2.15 (CPU); aot_eager is right, and so is
 enn's eager copy of the graph.
 Covered by: value_check (the guard compares a sampled compiled call, outputs and mutated inputs,
-with enn's eager copy).
+with enn's eager copy; integer results exactly: an integer graph's fp64 run is its eager run, so
+any difference is the compiled code's), which pins the ``mul`` reading the view to its eager kernel.
 """
 
 import sys
 
 import torch
 
-from upstream_corpus import awaiting_value_check, check, main
+from upstream_corpus import check, main
 
 ISSUE = 198101
 MECHANISM = "value_check"
@@ -32,8 +33,6 @@ def make_inputs():
     return [torch.arange(-12, 12, dtype=torch.int64).reshape(4, 6)]
 
 
-@awaiting_value_check(FIXED_IN, "the output is an integer tensor, which the value check compares by dtype and "
-                                "shape only (guard/screen.py same_values)")
 def test_upstream_198101_dtype_view_read_after_mutation():
     assert not check(view_then_mutate, make_inputs)
 

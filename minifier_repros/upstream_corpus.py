@@ -14,8 +14,9 @@ expects wrong under Inductor and which enn mechanism covers it, and has one test
 Mechanisms: ``attention`` (enn keeps Inductor's attention rewrites off its compiles,
 compat.inductor_attention_rewrites_off), ``known_bad`` (compat.KNOWN_MISCOMPILES: the node is
 pinned to its eager kernel up front), ``nonfinite`` (the guard's NaN/Inf check), ``value_check``
-(the guard compares sampled compiled calls with a reference run), ``none`` (enn cannot see it;
-the script says what the user gets).
+(the guard compares sampled compiled calls with a reference run: enn's eager copy of each graph,
+and the graph Dynamo handed over for the whole unit), ``none`` (enn cannot see it; the script says
+what the user gets).
 """
 
 from __future__ import annotations

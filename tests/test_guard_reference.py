@@ -12,8 +12,11 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import enn_backend
+from enn_backend import backend as backend_module
+from enn_backend import compat
 from enn_backend.guard import graph_edit as E
 from enn_backend.guard import runtime as R
+from enn_backend.guard import screen as S
 
 from _models import assert_close_step, make, train_step
 from attention_cases import B, D, H, T, heads_of_hidden
@@ -178,6 +181,7 @@ def test_values_that_only_the_reference_gets_wrong_blame_nobody():
     rep = enn_backend.report().to_dict()
     assert rep["fallbacks"] == [] and rep["graphs"][0]["pinned"] == []
     assert rep["graphs"][0]["counters"]["value_reference_outlier"] == 1  # they did differ
+    assert enn_backend.report().counters["guard.dynamo_reference_outlier"] == 1  # the Dynamo graph rounds too
 
 
 def test_a_fused_backward_whose_gradients_are_viewed_is_rerun_and_pinned():
@@ -217,3 +221,77 @@ def test_a_promoted_graph_writes_into_its_narrower_inputs(target):
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_running, expected, atol=1e-3, rtol=1e-3)
     assert not torch.equal(got_running, running)
+
+
+def test_integer_results_are_compared_by_value():
+    """Integer and boolean results are compared exactly; a difference is judged by the fp64 run:
+    a graph of integers alone (its fp64 run equals the reference) blames any difference, an
+    integer computed from floats is blamed only when further from fp64 than 2x the reference."""
+    ref = torch.arange(12)
+    off = ref.clone()
+    off[3] += 1
+    assert S.diverging([off, ref > 5], [ref, ref > 5]) == [0]
+    assert S.diverging([off], [ref], bookkeeping=frozenset({0})) == []  # saved for the backward
+    assert not S.diverging([ref > 5], [ref > 5]) and S.diverging([ref > 4], [ref > 5]) == [0]
+    assert S.compiled_is_worse(off, ref, ref.clone())  # integers alone: exact
+    fp64 = ref.clone()
+    fp64[:2] += 1  # the reference rounds 2 boundary values the other way from fp64
+    assert not S.compiled_is_worse(off, ref, fp64)  # compiled: 3 differ from fp64, within 2 x 2
+    far = off.clone()
+    far[5:7] += 1
+    assert S.compiled_is_worse(far, ref, fp64)  # 5 differ from fp64: worse
+
+
+def test_a_forwards_saved_integers_are_bookkeeping_its_results_are_not():
+    """A training forward's integer outputs saved for its backward (max_pool's indices) are
+    compared by dtype and shape only; its user outputs, integer ones included, by value."""
+    def f(x):
+        y, idx = torch.nn.functional.max_pool2d(x, 2, return_indices=True)
+        return y * 2, idx + 1
+
+    x = torch.randn(1, 2, 4, 4, requires_grad=True)
+    torch.compile(f, backend="enn", options=ISOLATED)(x)[0].sum().backward()
+    fwd = next(r for r in enn_backend.report().graphs if r.phase == "forward")
+    compiler = _guard_of(fwd).compiler
+    outs = E.output_nodes(compiler.eager_gm)
+    saved_ints = {i for i, n in enumerate(outs) if isinstance(n, torch.fx.Node)
+                  and not n.meta["val"].is_floating_point() and i >= 2}
+    assert saved_ints and saved_ints <= compiler.bookkeeping and not {0, 1} & compiler.bookkeeping
+
+
+def test_a_wrong_decomposition_is_caught_against_the_dynamo_graph(monkeypatch):
+    """A decomposition applied while AOT Autograd traces (here a wrong one for softplus) makes the
+    compiled code and enn's eager copy agree on a wrong value: the graph Dynamo handed over, judged
+    right by its fp64 run, gives the call's result and gradients and runs the unit from then on."""
+    table = backend_module.decomposition_table
+    wrong = {torch.ops.aten.softplus.default: lambda x, beta=1, threshold=20: torch.relu(x)}
+    monkeypatch.setattr(backend_module, "decomposition_table", lambda precision: {**table(precision), **wrong})
+
+    def f(x, w):
+        return torch.nn.functional.softplus(x * w).sum(-1)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 8, generator=g), torch.randn(8, generator=g, requires_grad=True)
+    want = f(x, w)
+    (want_grad,) = torch.autograd.grad(want.sum(), w)
+    with compat.no_aot_autograd_cache():
+        compiled = torch.compile(f, backend="enn", options=ISOLATED)
+        for _ in range(2):
+            got = compiled(x, w)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(torch.autograd.grad(got.sum(), w)[0], want_grad)
+    rep = enn_backend.report()
+    (fb,) = rep.to_dict()["fallbacks"]
+    assert fb["kind"] == "dynamo_graph" and "fp64 run sides with Dynamo's graph" in fb["reason"], fb
+    assert rep.counters["fallback.dynamo_graph"] == 1
+    fwd = next(r for r in rep.graphs if r.phase == "forward")
+    assert fwd.counters["calls"] == 1  # the second call ran the Dynamo graph, not the compiled unit
+
+
+def test_a_random_unit_is_not_compared_with_the_dynamo_graph():
+    """Random draws differ from eager's by design: the unit's first check sees the RNG move and
+    turns the Dynamo-graph reference off (counted), blaming nothing."""
+    compiled = torch.compile(lambda x: torch.nn.functional.dropout(x, 0.5) + x, backend="enn", options=ISOLATED)
+    compiled(torch.randn(64))
+    assert enn_backend.report().to_dict()["fallbacks"] == []
+    assert enn_backend.report().counters["guard.dynamo_reference_off"] == 1

@@ -177,6 +177,15 @@ def current_tracing_context() -> Any:
     return TracingContext.try_get()
 
 
+def forward_results(ctx: Any) -> int | None:
+    """How many leading outputs of the training forward graph compiled under ``ctx`` are results
+    its caller receives (the inputs it writes, the user's outputs, their bases); the outputs
+    after them are saved for the backward. None where AOT Autograd's metadata does not say
+    (torch 2.11 – 2.15: ``ViewAndMutationMeta.num_forward_returns``)."""
+    n = getattr(getattr(ctx, "fw_metadata", None), "num_forward_returns", None)
+    return n if isinstance(n, int) else None
+
+
 @contextlib.contextmanager
 def tracing_context(ctx: Any) -> Iterator[None]:
     """Re-enter the tracing context a graph was first compiled under (for recompiles)."""

@@ -16,6 +16,13 @@ import torch
 from .. import compat
 
 
+def flat_args(args: tuple) -> tuple[list, bool]:
+    """A compiled unit's inputs as one list, and whether they came boxed (Dynamo may call with
+    one list, which the callee owns and clears, or with the inputs as arguments)."""
+    boxed = len(args) == 1 and isinstance(args[0], list)
+    return (args[0] if boxed else list(args)), boxed
+
+
 class EnnGuardError(RuntimeError):
     """Raised in ``guard="strict"`` mode instead of falling back."""
 
@@ -62,6 +69,12 @@ class RngSnapshot:
     def __init__(self) -> None:
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def moved(self) -> bool:
+        """Has a random number been drawn since?"""
+        if not torch.equal(self.cpu, torch.get_rng_state()):
+            return True
+        return self.cuda is not None and any(not torch.equal(a, b) for a, b in zip(self.cuda, torch.cuda.get_rng_state_all()))
 
     def restore(self) -> None:
         torch.set_rng_state(self.cpu)

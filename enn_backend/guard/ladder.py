@@ -87,7 +87,7 @@ class FaultLadder:
         ref_written = [call.inputs[i].clone() for i in mutated]
         if self.low_precision is None:
             self.low_precision = E.has_low_precision(self.compiler.eager_gm)
-        off = diverging(list(flat) + written, ref + ref_written, self.low_precision)
+        off = diverging(list(flat) + written, ref + ref_written, self.low_precision, self.compiler.bookkeeping)
         if not off:
             for i, t in zip(mutated, written):  # the inputs keep what the compiled call wrote
                 call.inputs[i].copy_(t)
@@ -104,7 +104,7 @@ class FaultLadder:
             self._count_fault()
             n_out = len(flat)
             where = [f"output {i}" if i < n_out else f"input {mutated[i - n_out]} (written in place)" for i in off]
-            what = f"finite values differ from eager's beyond tolerance ({', '.join(where[:6])})"
+            what = f"values differ from eager's beyond their dtype's tolerance, none for integers ({', '.join(where[:6])})"
             return self._kernel_fault("value", what, call, None, ref, [i for i in off if i < n_out] or off)
 
     def _compiled_is_wrong(self, call: Call, got: list, ref: list, off: list[int]) -> bool:
@@ -202,7 +202,7 @@ class FaultLadder:
             # for a value fault, any value off eager's
             flat = outputs(out)
             if kind == "value":
-                faulty = bool(diverging(list(flat)[:len(ref)], ref, bool(self.low_precision)))
+                faulty = bool(diverging(list(flat)[:len(ref)], ref, bool(self.low_precision), self.compiler.bookkeeping))
             else:
                 faulty = kind == "nonfinite" and bool(divergent(flat, ref, nonfinite_outputs(flat))[0])
             if distributed():
