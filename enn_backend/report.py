@@ -52,6 +52,7 @@ class FallbackKind(str, enum.Enum):
     KNOWN_MISCOMPILE = "known_miscompile"  # a node Inductor is known to compute wrong (compat.KNOWN_MISCOMPILES), pinned
     BUFFER_CHANGED = "buffer_changed"  # a module buffer lost the content its graph was compiled for
     FAULT_NOT_PLANTED = "fault_not_planted"  # a fault_inject spec reached no graph of a compiled unit
+    EXPORTING = "exporting"  # handed a graph while torch.export traced: it runs as captured, for export
 
 
 @dataclass
