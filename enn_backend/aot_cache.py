@@ -5,7 +5,8 @@ load a Dynamo graph's compiled forward and backward from its cache instead of tr
 partitioning and running the joint passes again -- most of a warm compile. Such a hit
 skips ``inner_compile``, where enn wraps each graph in its guard, so enn keeps, per
 compiled graph, a small JSON *sidecar* next to Inductor's cache (keyed by the graph's FX
-graph cache key) with what the guard and the report need:
+graph cache key; its format, and how it travels in ``torch.compiler.save_cache_artifacts()``:
+:mod:`.aot_sidecar`) with what the guard and the report need:
 
 - the report record (fusions, kernel choices, fp32 promotions) and the compile-time
   fallbacks (declined fusions ...) with the sites of their ops (module path, source line:
@@ -32,9 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import logging
-import os
 import threading
 import time
 import weakref
@@ -44,7 +43,8 @@ import torch
 import torch.fx as fx
 
 from . import compat
-from .blame import SITE_FIELDS
+from .aot_sidecar import (FALLBACK_FIELDS, FORMAT, PHASES, RECORD_FIELDS, REPLAYED, VERSION, read_sidecar,
+                          sidecar_path, write_sidecar)
 from .debug.log import log_compiled_graph
 from .graph_compiler import GraphCompiler
 from .guard import graph_edit as E
@@ -53,23 +53,9 @@ from .guard.kernel_state import state_for
 from .guard.runtime import GuardedGraph
 from .options import Options
 from .passes import current_module_state, module_state
-from .report import FallbackKind, GraphRecord, atomic_write_text, detached_report, report
+from .report import FallbackKind, GraphRecord, detached_report, report
 
 log = logging.getLogger(__name__)
-
-FORMAT = "enn-aot-graph"
-VERSION = 2
-PHASES = ("forward", "backward", "inference")
-# compile-time fallbacks that describe a clean compile (what a pass declined), replayed on a hit
-REPLAYED = frozenset({FallbackKind.PASS_SKIPPED.value, FallbackKind.KERNEL_CHOICE.value,
-                      FallbackKind.PRECISION_SKIPPED.value})
-_RECORD_FIELDS = ("nodes", "compute_nodes", "compiled_nodes", "fusions", "kernel_choices", "promotions", "counters")
-_FALLBACK_FIELDS = ("kind", "node", "phase", "reason", "action", "sites")
-
-
-def sidecar_path(fx_key: str) -> str:
-    return os.path.join(compat.inductor_cache_dir(), "enn", "aot", f"{fx_key}.json")
-
 
 def content_digest(t: torch.Tensor) -> str:
     """A digest of a tensor's dtype, shape and values (for module buffers a graph relies on)."""
@@ -91,7 +77,7 @@ def offer(compiler: Any, compiled: Any, returned: Any) -> Any:
     entry = _entry(compiler, fx_key) if fx_key else None
     if entry is not None:
         try:
-            atomic_write_text(sidecar_path(fx_key), json.dumps(entry, indent=1))
+            write_sidecar(fx_key, entry)
         except OSError as exc:
             log.warning("enn: could not write %s (%s); this graph is not offered to AOTAutograd's cache",
                         sidecar_path(fx_key), exc)
@@ -127,61 +113,17 @@ def _entry(compiler: Any, fx_key: str) -> dict[str, Any] | None:
         "graph_key": graph_key(gm),
         "node_keys": sorted({k for n in E.candidate_nodes(gm) if (k := node_key(n))}),
         "mutated": list(compiler.mutated), "random": bool(compiler.random),
-        "record": {f: getattr(rec, f) for f in _RECORD_FIELDS},
+        "record": {f: getattr(rec, f) for f in RECORD_FIELDS},
         "fallbacks": [_fallback_dict(f) for f in own],
         "unit": unit,
     }
 
 
 def _fallback_dict(f: Any) -> dict[str, Any]:
-    return {k: getattr(f, k) for k in _FALLBACK_FIELDS}
+    return {k: getattr(f, k) for k in FALLBACK_FIELDS}
 
 
 # ------------------------------------------------------------------ warm starts
-def read_sidecar(fx_key: str) -> dict[str, Any] | None:
-    """The sidecar of a cached graph, or None (missing; corrupt or foreign: logged)."""
-    path = sidecar_path(fx_key)
-    if not os.path.exists(path):
-        return None
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        _validate(data, fx_key)
-        return data
-    except Exception as exc:  # noqa: BLE001 - any corruption is survivable: the graph is compiled again
-        log.warning("enn: ignoring %s (%s: %s); the graph is compiled instead of loaded from the cache",
-                    path, type(exc).__name__, exc)
-        report().count("aot_cache.corrupt_sidecar")
-        return None
-
-
-def _validate(d: Any, fx_key: str) -> None:
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise ValueError(what)
-
-    need(isinstance(d, dict) and d.get("format") == FORMAT and d.get("version") == VERSION,
-         "not an enn AOT sidecar of this version")
-    need(d.get("key") == fx_key and d.get("phase") in PHASES, "key or phase does not match")
-    need(isinstance(d.get("graph_key"), str) and all(isinstance(k, str) for k in d.get("node_keys", [None])), "bad keys")
-    need(all(isinstance(i, int) for i in d.get("mutated", [None])) and isinstance(d.get("random"), bool), "bad fast-path data")
-    rec = d.get("record")
-    need(isinstance(rec, dict) and set(rec) == set(_RECORD_FIELDS), "bad record")
-    fallbacks = list(d.get("fallbacks") or [])
-    unit = d.get("unit")
-    if d["phase"] != "backward":
-        need(isinstance(unit, dict) and isinstance(unit.get("assumed"), dict), "bad unit data")
-        need(all(k.isdigit() and isinstance(v, str) for k, v in unit["assumed"].items()), "bad buffer digests")
-        fallbacks += unit.get("fallbacks") or []
-    need(all(isinstance(f, dict) and set(f) == set(_FALLBACK_FIELDS) and f["kind"] in REPLAYED for f in fallbacks),
-         "bad fallbacks")
-    need(all(isinstance(f["sites"], list) and all(_valid_site(s) for s in f["sites"]) for f in fallbacks), "bad sites")
-
-
-def _valid_site(s: Any) -> bool:
-    return isinstance(s, dict) and "node" in s and all(k in SITE_FIELDS and type(v) is SITE_FIELDS[k] for k, v in s.items())
-
-
 class WarmStart:
     """One enn compile of a Dynamo graph, ready to take an AOTAutograd cache hit.
 
@@ -264,7 +206,7 @@ class WarmStart:
     def _wrap(self, compiled: Any, meta: dict[str, Any], records: list[GraphRecord]) -> Any:
         rec = report().new_graph(self.unit, meta["phase"])
         records.append(rec)
-        for f in _RECORD_FIELDS:
+        for f in RECORD_FIELDS:
             setattr(rec, f, copy.deepcopy(meta["record"][f]))
         rec.from_cache = True
         if not self.opts.guard.guarded:

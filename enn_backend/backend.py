@@ -22,6 +22,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.fx as fx
 
 from . import compat
@@ -44,6 +45,8 @@ def enn(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None =
         options: dict[str, Any] | None = None) -> Callable[..., Any]:
     """Compile ``gm`` for ``torch.compile(..., backend="enn", mode=..., options=...)``."""
     opts = Options.from_sources(options, mode, inductor_config=compat.inductor_option_types())
+    if torch.compiler.is_exporting():
+        return _exported(gm)
     if opts.disable:
         # ENN_DISABLE is an override: when set, it decided (a false value would have enabled enn)
         by = f"ENN_DISABLE={os.environ['ENN_DISABLE']}" if "ENN_DISABLE" in os.environ else "options={'disable': True}"
@@ -52,6 +55,19 @@ def enn(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None =
         return compat.inductor_compile_fx(gm, example_inputs,
                                           config_patches=compat.inductor_config_patches(opts.mode, opts.inductor))
     return compile_unit(gm, list(example_inputs), opts)
+
+
+def _exported(gm: fx.GraphModule) -> Callable[..., Any]:
+    """A Dynamo graph handed to enn while torch.export traces (a compile that export asked for:
+    ``torch._dynamo.config.force_compile_during_fx_trace``, a higher-order op's body): export
+    traces through what enn returns, so enn compiles nothing and returns the captured graph. The
+    exported program then holds the model's own ATen ops -- no ``enn::`` op, no guard, no kernel
+    that cannot take export's fake tensors -- and computes what eager computes."""
+    unit = report().new_unit()
+    report().add_fallback(FallbackKind.EXPORTING, node="<graph>", phase="compile", graph=unit,
+                          reason="torch.export is tracing (torch.compiler.is_exporting())",
+                          action=f"{unit} runs as captured, for export to trace: no enn pass, no guard")
+    return gm.forward
 
 
 def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Callable[..., Any]:

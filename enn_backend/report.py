@@ -53,6 +53,7 @@ class FallbackKind(str, enum.Enum):
     DYNAMO_GRAPH = "dynamo_graph"  # compiled and eager copy agree, the graph Dynamo handed over (closer to fp64) differs: it runs
     BUFFER_CHANGED = "buffer_changed"  # a module buffer lost the content its graph was compiled for
     FAULT_NOT_PLANTED = "fault_not_planted"  # a fault_inject spec reached no graph of a compiled unit
+    EXPORTING = "exporting"  # handed a graph while torch.export traced: it runs as captured, for export
 
 
 @dataclass

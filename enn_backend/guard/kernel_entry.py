@@ -4,15 +4,18 @@ A key is (op, backend, device capability, dtype, shape bucket) -- not a module's
 identity -- so a second model, or a second process, with the same kernel on the same
 hardware starts with the same knowledge (:func:`node_key`); a whole graph's key, for fp32
 pins, is a hash of its code (:func:`graph_key`). A :class:`KernelEntry` is one record, checked
-field by field when read (:func:`validated_entry`); the file that holds them, its rules and
-its locking are :mod:`.kernel_state`'s.
+field by field when read (:func:`validated_entry`), and travels between machines as one
+cache artifact (:func:`entry_artifact`); the file that holds them, its rules and its locking
+are :mod:`.kernel_state`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from dataclasses import dataclass, fields
+import re
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
@@ -22,6 +25,10 @@ from .. import __version__
 from .graph_edit import _tensors_in, _val, node_op_name
 
 ACTIONS = ("pinned", "fp32")
+ARTIFACT = "enn_kernel_state"  # the type of enn's kernel-state artifacts in torch.compiler's cache artifacts
+_ARTIFACT_FORMAT = "enn-kernel-entry"
+# the files an entry may travel to: kernel_state.json, or an injected fault's own file (kernel_state.py)
+_STATE_FILE = re.compile(r"kernel_state(-inject-[0-9a-f]{12})?\.json")
 MAX_AGE_DAYS = 30
 MAX_TEXT = 500  # characters in a string field
 _FUTURE_SLACK_S = 86400.0  # clocks of machines sharing a folder may disagree by this much
@@ -119,3 +126,24 @@ def node_key(n: fx.Node) -> str | None:
 def graph_key(gm: fx.GraphModule) -> str:
     """A key for a whole graph (used for fp32 pins): a hash of its code."""
     return "graph|" + hashlib.sha256(gm.code.encode()).hexdigest()[:20]
+
+
+def entry_artifact(file_name: str, e: KernelEntry) -> tuple[str, bytes]:
+    """(key, content) of the cache artifact that carries ``e``, an entry of state file ``file_name``."""
+    data = {"format": _ARTIFACT_FORMAT, "version": 1, "file": file_name, "entry": asdict(e)}
+    return f"{file_name}:{e.key}", json.dumps(data).encode()
+
+
+def parsed_artifact(key: str, content: bytes, now: float) -> tuple[str, KernelEntry]:
+    """(state file name, entry) of a cache artifact made by :func:`entry_artifact`; ValueError
+    when it is not one (the file name is one of the state files' names, never a path)."""
+    data = json.loads(content.decode())
+    if not isinstance(data, dict) or data.get("format") != _ARTIFACT_FORMAT or data.get("version") != 1:
+        raise ValueError("not an enn kernel-state artifact of this version")
+    name = data.get("file")
+    if not isinstance(name, str) or not _STATE_FILE.fullmatch(name):
+        raise ValueError(f"bad state file name {name!r:.80}")
+    e = validated_entry(data.get("entry"), now)
+    if key != f"{name}:{e.key}":
+        raise ValueError("the artifact's key does not match its entry")
+    return name, e

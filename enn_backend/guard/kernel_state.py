@@ -46,6 +46,13 @@ writer (every writer holds the lock while its temporary file exists, so one foun
 lock is an orphan). A writer that cannot get the lock within ``LOCK_TIMEOUT_S`` keeps its
 entry in memory and warns. Without ``fcntl`` (Windows) writes re-read and merge, unlocked.
 
+Travelling: every entry this process records or applies is also recorded as a cache artifact
+(type ``enn_kernel_state``, one per entry: :func:`.kernel_entry.entry_artifact`), so
+``torch.compiler.save_cache_artifacts()`` carries it; ``load_cache_artifacts()`` merges it into
+the same-named file in the cache folder the environment names (``ENN_CACHE_DIR``, else
+~/.cache/enn), under the lock, the entry whose last fault is newest winning. A process must have
+imported enn's backend (``torch.compile(..., backend="enn")`` does) before it loads.
+
 Injected faults (option ``fault_inject``) never teach a real run: their state lives in
 memory, for this process only, unless ``cache_dir`` is set (option or ``ENN_CACHE_DIR``);
 then it goes to its own file there, ``kernel_state-inject-<hash of the spec>.json``, which
@@ -71,9 +78,11 @@ try:
 except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
+from .. import compat
 from ..options import Options
-from ..report import atomic_write_text
-from .kernel_entry import MAX_AGE_DAYS, MAX_TEXT, KernelEntry, current_versions, validated_entry
+from ..report import atomic_write_text, report
+from .kernel_entry import (ARTIFACT, MAX_AGE_DAYS, MAX_TEXT, KernelEntry, current_versions, entry_artifact,
+                           parsed_artifact, validated_entry)
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +123,15 @@ class KernelState:
         self.refresh()
         ident = (key, *current_versions())
         e = self._unsaved.get(ident) or self._entries.get(ident)
-        return e if e is not None and e.status(time.time()) == "in force" else None
+        if e is None or e.status(time.time()) != "in force":
+            return None
+        self._travel(e)
+        return e
+
+    def _travel(self, e: KernelEntry) -> None:
+        """Record ``e`` for torch.compiler.save_cache_artifacts() (a persisted state's only)."""
+        if self.path:
+            compat.record_cache_artifact(ARTIFACT, *entry_artifact(os.path.basename(self.path), e))
 
     def entries(self) -> list[KernelEntry]:
         """Every valid entry, of every version, expired ones included (for listing)."""
@@ -221,7 +238,18 @@ class KernelState:
             entries[ident] = e
             return e
 
-        return self._update(change)
+        e = self._update(change)
+        self._travel(e)
+        return e
+
+    def merge(self, e: KernelEntry) -> None:
+        """Take ``e`` (from another machine) unless this state holds a newer fault of its kernel."""
+        def change(entries: Entries) -> None:
+            old = entries.get(e.ident)
+            if old is None or e.last_time > old.last_time:
+                entries[e.ident] = e
+
+        self._update(change)
 
     def clear(self, match: Callable[[KernelEntry], bool] | None = None) -> list[KernelEntry]:
         """Remove the entries ``match`` selects (every entry when None) and return them;
@@ -338,8 +366,11 @@ def state_path(opts: Any) -> str | None:
 
 def state_for(opts: Any) -> KernelState:
     """The process-wide kernel state for these options."""
-    path = state_path(opts)
-    slot = path or f"memory:{opts.fault_inject}"
+    return _state_at(state_path(opts), opts.fault_inject)
+
+
+def _state_at(path: str | None, fault_inject: str = "") -> KernelState:
+    slot = path or f"memory:{fault_inject}"
     with _STATES_LOCK:
         if slot not in _STATES:
             _STATES[slot] = KernelState(path)
@@ -375,3 +406,18 @@ def forget_loaded_states() -> None:
     with _STATES_LOCK:
         _STATES.clear()
         _pins_announced = False
+
+
+def _load_artifact(key: str, content: bytes) -> None:
+    """torch.compiler.load_cache_artifacts(): merge one travelling entry into its state file."""
+    name, e = parsed_artifact(key, content, time.time())
+    opts = Options.from_sources(None, None)
+    if not opts.persist:
+        log.info("enn: kernel state is not persisted here (ENN_PERSIST=0): not loading cache artifact %r", key)
+        return
+    state = _state_at(os.path.join(opts.resolved_cache_dir(), name))
+    state.merge(e)
+    log.debug("enn: merged kernel state entry %s from a cache artifact into %s", e.key, state.path)
+
+
+compat.register_cache_artifact(ARTIFACT, _load_artifact, lambda: report().count("cache_artifacts.ignored"))

@@ -32,7 +32,6 @@ class AttentionProblem:
     training: bool
     dropout: float = 0.0
     static_shapes: bool = True  # Tq / Tk are fixed (not dynamic-shape symbols)
-    exporting: bool = False
     bias_finite: bool = False  # the bias provably holds no -inf (e.g. HF's (1 - mask) * finfo.min)
     bias_may_saturate: bool = False  # ... but may hold finfo.min: a fully masked row is uniform in eager
     key_padding: bool = False  # the bias is a [B, 1, 1, Tk] key-padding bias, rows that keep no key fixed up

@@ -37,8 +37,6 @@ aten = torch.ops.aten
 def _cuda(p: AttentionProblem) -> tuple[bool, str]:
     if p.device != "cuda":
         return False, f"CUDA kernel, device is {p.device}"
-    if p.exporting:
-        return False, "export: keep the explicit math (no baked-in CUDA backend)"
     return True, ""
 
 
