@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .... import compat
 from ....custom_ops.attention import band_mask_mod
@@ -144,6 +145,22 @@ def _fragment(q, k, v, slopes, block_mask_parts: tuple, scale: float, training: 
         return make_fx(fn, decomposition_table=compat.select_decomp_table())(*args)
 
 
+def _shared_operands(plan: "Plan") -> list[bool]:
+    """For q, k, v as flex reads them: whether each must be copied to a buffer of its own first.
+
+    Only on CPU under a torch whose flex lowering takes no two operands from one buffer
+    (``compat.cpu_flex_needs_distinct_buffers``): an operand is copied when another one views the
+    same storage (Inductor then names them one buffer). An operand cast to the matmul dtype
+    (rewrite._operands) is a new buffer already.
+    """
+    if plan.problem.device != "cpu" or not compat.cpu_flex_needs_distinct_buffers():
+        return [False] * 3
+    m = plan.match
+    refs = [StorageWeakRef(val(n).untyped_storage()) if tensor_dtype(n) == m.dtype else object()
+            for n in (m.q, plan.k, plan.v)]
+    return [refs.count(r) > 1 for r in refs]
+
+
 def _fresh_attr(gm: torch.nn.Module, base: str) -> str:
     i = 0
     while hasattr(gm, f"{base}_{i}"):
@@ -160,7 +177,12 @@ class FlexKernel:
 
     @staticmethod
     def reason(plan: "Plan") -> str:
-        return "; emitted as FlexAttention ops in the graph (compiled by Inductor)"
+        why = "; emitted as FlexAttention ops in the graph (compiled by Inductor)"
+        copied = [name for name, c in zip("qkv", _shared_operands(plan)) if c]
+        if copied:
+            why += (f"; {', '.join(copied)} copied to buffers of their own first (views of one buffer; "
+                    "this torch's CPU flex lowering refuses them)")
+        return why
 
     def forward(self) -> fx.Node:
         em, ops, st = self.em, self.ops, self.plan.structure
@@ -180,7 +202,8 @@ class FlexKernel:
                 bias_dtype: Optional[torch.dtype]) -> tuple[fx.Node, Optional[list]]:
         """Copy the traced fragment into the graph: (output node, [dq, dk, dv] or None)."""
         em, graph, mode = self.em, self.em.graph, self.em.mode
-        q, k, v = self.ops.q, self.ops.k, self.ops.v
+        q, k, v = (em.call(torch.ops.aten.clone.default, (n,)) if copy else n
+                   for n, copy in zip((self.ops.q, self.ops.k, self.ops.v), _shared_operands(self.plan)))
         causal, window, scale = self.plan.structure.causal, int(self.plan.structure.window), float(self.plan.match.scale)
         grad_out, first_bwd, before = self.grad_in, self.plan.regions.first_backward, em.before
         training = grad_out is not None
