@@ -97,11 +97,16 @@ def block_mask(causal: bool, window: int, tq: int, tk: int, device: torch.device
 
 def _alibi_score_mod(pos_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype]):
     """``score + slopes[h] * (j - i)``, rounded as the user's code rounds it: positions in
-    ``pos_dtype`` (``rel.to(bf16)``) and the product in ``bias_dtype``; the sum is fp32."""
+    ``pos_dtype`` (``rel.to(bf16)``) and the product in ``bias_dtype``; the sum is fp32.
+
+    Rounded positions stay in ``pos_dtype`` into the product, as in the user's code (the fp32
+    slope times them promotes): no cast back to fp32 follows the rounding cast, since Inductor's
+    joint pattern ``pointless_convert`` folds an int -> bf16 -> fp32 chain into int -> fp32 on
+    torch < 2.13, and the rounding with it."""
 
     def score_mod(score, b, h, q_idx, kv_idx, slopes):
         rel = kv_idx - q_idx
-        rel = rel.to(pos_dtype).to(torch.float32) if pos_dtype is not None else rel.to(torch.float32)
+        rel = rel.to(pos_dtype) if pos_dtype is not None else rel.to(torch.float32)
         if bias_dtype is not None:
             return score + (slopes[h].to(bias_dtype) * rel.to(bias_dtype)).to(torch.float32)
         return score + slopes[h] * rel
