@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import enn_backend
-from enn_backend import models
+from enn_backend import compat, models
 from enn_backend.custom_ops.attention import Backend
 from enn_backend.passes.attention.kernels.sdpa import NATIVE
 from pass_harness import assert_ops, count_ops, run_passes
@@ -144,6 +144,9 @@ def test_flex_in_graph_inference_cpu():
     assert not rep["fallbacks"] and [g["path"] for g in rep["graphs"]] == ["inductor"], rep
     assert [c["choice"] for c in run.choices] == ["flex"]
     assert "flex" in [c["choice"] for g in rep["graphs"] for c in g["kernel_choices"]]
+    # q, k, v are views of the fused qkv projection: copied apart where Inductor's CPU flex needs it
+    copied = "q, k, v copied to buffers of their own" in run.choices[0]["reason"]
+    assert copied == compat.cpu_flex_needs_distinct_buffers(), run.choices[0]["reason"]
 
 
 def test_inductors_own_attention_fusion_keeps_the_joint_graph_valid():

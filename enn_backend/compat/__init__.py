@@ -32,7 +32,8 @@ from .dynamo_aot import (  # noqa: F401
     FXGraphCacheMiss, aot_cache_hits, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,
     copy_dynamo_graph, current_tracing_context, donated_inputs, eager_backward_compile, forward_results, functorch_config,
     is_dynamo_control_flow, keep_out_of_aot_cache, no_aot_autograd_cache, saved_tensors_kept, tracing_context)
-from .flex import flex_attention_hop, flex_dense_to_ordered, flex_kernel_options  # noqa: F401
+from .flex import (  # noqa: F401
+    cpu_flex_needs_distinct_buffers, flex_attention_hop, flex_dense_to_ordered, flex_kernel_options)
 from .inductor import (  # noqa: F401
     CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, dynamo_counters, fallback_lowering,
     fx_graph_cache_counters, hash_files, inductor_cache_dir, inductor_compile_fx, inductor_config, without_cudagraphs,

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from .versions import TORCH_VERSION
+
 # ----------------------------------------------------------------------------- FlexAttention
 # FlexAttention's higher-order op and the private helpers enn's attention pass builds it with
 # (enn_backend/passes/attention/kernels/flex.py). Their signatures are the same in torch 2.11 and 2.13;
@@ -28,3 +30,14 @@ def flex_dense_to_ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     from torch.nn.attention.flex_attention import _dense_to_ordered
 
     return _dense_to_ordered(dense)
+
+
+def cpu_flex_needs_distinct_buffers() -> bool:
+    """torch < 2.13: Inductor's CPU flex lowering raises "Unsupported for now if query, key, value
+    are the same buffer" when q, k, v are views of one buffer (a fused qkv projection's unbind or
+    split; pytorch/pytorch#157612); from 2.13 the lowering copies such operands itself
+    (``_realize_duplicate_buffer_inputs`` in ``kernel/flex/flex_cpu.py``). Checked in the 2.11 and
+    2.13.0 sources; 2.12 is not checked and is treated as 2.11. enn then copies them before the
+    flex op (enn_backend/passes/attention/kernels/flex.py); the copies go when enn requires
+    torch >= 2.13. Covered by tests/test_attention_models.py::test_flex_in_graph_inference_cpu."""
+    return TORCH_VERSION < (2, 13)

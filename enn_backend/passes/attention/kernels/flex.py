@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .... import compat
 from ....custom_ops.attention import band_mask_mod
@@ -94,11 +95,16 @@ def block_mask(causal: bool, window: int, tq: int, tk: int, device: torch.device
 
 def _alibi_score_mod(pos_dtype: Optional[torch.dtype], bias_dtype: Optional[torch.dtype]):
     """``score + slopes[h] * (j - i)``, rounded as the user's code rounds it: positions in
-    ``pos_dtype`` (``rel.to(bf16)``) and the product in ``bias_dtype``; the sum is fp32."""
+    ``pos_dtype`` (``rel.to(bf16)``) and the product in ``bias_dtype``; the sum is fp32.
+
+    Rounded positions stay in ``pos_dtype`` into the product, as in the user's code (the fp32
+    slope times them promotes): no cast back to fp32 follows the rounding cast, since Inductor's
+    joint pattern ``pointless_convert`` folds an int -> bf16 -> fp32 chain into int -> fp32 on
+    torch < 2.13, and the rounding with it."""
 
     def score_mod(score, b, h, q_idx, kv_idx, slopes):
         rel = kv_idx - q_idx
-        rel = rel.to(pos_dtype).to(torch.float32) if pos_dtype is not None else rel.to(torch.float32)
+        rel = rel.to(pos_dtype) if pos_dtype is not None else rel.to(torch.float32)
         if bias_dtype is not None:
             return score + (slopes[h].to(bias_dtype) * rel.to(bias_dtype)).to(torch.float32)
         return score + slopes[h] * rel
@@ -142,6 +148,22 @@ def _fragment(q, k, v, slopes, block_mask_parts: tuple, scale: float, training: 
         return make_fx(fn, decomposition_table=compat.select_decomp_table())(*args)
 
 
+def _shared_operands(plan: "Plan") -> list[bool]:
+    """For q, k, v as flex reads them: whether each must be copied to a buffer of its own first.
+
+    Only on CPU under a torch whose flex lowering takes no two operands from one buffer
+    (``compat.cpu_flex_needs_distinct_buffers``): an operand is copied when another one views the
+    same storage (Inductor then names them one buffer). An operand cast to the matmul dtype
+    (rewrite._operands) is a new buffer already.
+    """
+    if plan.problem.device != "cpu" or not compat.cpu_flex_needs_distinct_buffers():
+        return [False] * 3
+    m = plan.match
+    refs = [StorageWeakRef(val(n).untyped_storage()) if tensor_dtype(n) == m.dtype else object()
+            for n in (m.q, plan.k, plan.v)]
+    return [refs.count(r) > 1 for r in refs]
+
+
 def _fresh_attr(gm: torch.nn.Module, base: str) -> str:
     i = 0
     while hasattr(gm, f"{base}_{i}"):
@@ -158,7 +180,12 @@ class FlexKernel:
 
     @staticmethod
     def reason(plan: "Plan") -> str:
-        return "; emitted as FlexAttention ops in the graph (compiled by Inductor)"
+        why = "; emitted as FlexAttention ops in the graph (compiled by Inductor)"
+        copied = [name for name, c in zip("qkv", _shared_operands(plan)) if c]
+        if copied:
+            why += (f"; {', '.join(copied)} copied to buffers of their own first (views of one buffer; "
+                    "this torch's CPU flex lowering refuses them)")
+        return why
 
     def forward(self) -> fx.Node:
         em, ops, st = self.em, self.ops, self.plan.structure
@@ -178,7 +205,8 @@ class FlexKernel:
                 bias_dtype: Optional[torch.dtype]) -> tuple[fx.Node, Optional[list]]:
         """Copy the traced fragment into the graph: (output node, [dq, dk, dv] or None)."""
         em, graph, mode = self.em, self.em.graph, self.em.mode
-        q, k, v = self.ops.q, self.ops.k, self.ops.v
+        q, k, v = (em.call(torch.ops.aten.clone.default, (n,)) if copy else n
+                   for n, copy in zip((self.ops.q, self.ops.k, self.ops.v), _shared_operands(self.plan)))
         causal, window, scale = self.plan.structure.causal, int(self.plan.structure.window), float(self.plan.match.scale)
         grad_out, first_bwd, before = self.grad_in, self.plan.regions.first_backward, em.before
         training = grad_out is not None
