@@ -21,6 +21,7 @@ from ..fx_utils import fake_mode, is_call
 from ..manager import EnnPass, PassContext, current_module_state
 from .match import Skip, match_at
 from .plan import Plan, plan_site
+from .regions import is_backward
 from .rewrite import rewrite
 from .sdpa_calls import replan_sdpa_calls
 
@@ -42,13 +43,14 @@ class AttentionPass(EnnPass):
             compat.remove_noop_ops(graph)  # as a joint *pre* pass: Inductor runs this right after anyway
         mode = fake_mode(graph)
         count = 0
+        self._draws: list[fx.Node] = []
         for n in list(graph.nodes):
-            if n.graph is not graph or not is_call(n, aten.bmm.default):
-                continue
-            m = match_at(n)
-            if m is None:
+            if n.graph is not graph or not is_call(n, aten.bmm.default) or is_backward(n):
                 continue
             try:
+                m = match_at(n)
+                if m is None:
+                    continue
                 if mode is None:
                     raise Skip("graph has no fake tensors to compute metadata from")
                 count += self._fuse(graph, plan_site(graph, m, self.opts), mode, ctx)
@@ -58,6 +60,11 @@ class AttentionPass(EnnPass):
                                       level=logging.INFO)
         replanned = replan_sdpa_calls(graph, mode, ctx) if mode is not None else 0
         if count or replanned:
+            graph.eliminate_dead_code()
+            live = set(graph.nodes)
+            for draw in self._draws:  # a random op may count as impure: dead-code elimination may keep it
+                if draw in live and not draw.users:
+                    graph.erase_node(draw)
             graph.eliminate_dead_code()
             compat.stable_topological_sort(graph)
             graph.lint()
@@ -75,6 +82,8 @@ class AttentionPass(EnnPass):
         if plan.refusal:
             raise Skip(plan.refusal)
         rewrite(graph, plan, mode)
+        if plan.match.dropout is not None:
+            self._draws.append(plan.match.dropout.draw)
         reason = choice.reason + plan.kernel.reason(plan)
         state, st = current_module_state(), plan.structure
         for index, value in st.relied:
@@ -89,6 +98,6 @@ class AttentionPass(EnnPass):
                            f"{plan.padding_refused or 'the site has other mask or bias terms besides it'})")
         ctx.kernel_choice(out, choice.backend.value, reason, causal=st.causal, window=st.window,
                           gqa=p.heads_q != p.heads_kv, mask=p.has_mask, bias=p.has_bias, alibi=p.alibi,
-                          key_padding=p.key_padding, training=bool(plan.regions.grads), **tensors)
+                          key_padding=p.key_padding, training=bool(plan.regions.grads), dropout=p.dropout, **tensors)
         ctx.fusion("attention")
         return 1

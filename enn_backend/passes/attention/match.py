@@ -12,8 +12,17 @@ K/V may be grouped-query (``unsqueeze -> expand -> clone -> view``, what ``repea
 and HF's ``repeat_kv`` produce: :func:`gqa_base`). What the masks and bias terms are is
 masks.py's business.
 
-Anything that is not exactly attention (another reduction than softmax over the key axis, a
-dropout between softmax and the second matmul) does not match.
+Between the softmax and the second matmul the probabilities may pass through a dropout
+(:class:`Dropout`): ``P * (rand(P.shape) > p) * (1 / (1 - p))``, the form the decompositions of
+``F.dropout`` / ``nn.Dropout`` (``native_dropout``) give the joint graph; the draw is Inductor's
+``inductor_random`` once its joint passes ran. The fused kernel draws its own mask (see
+kernels/), so the pass erases the graph's draw with the site.
+
+A site that looks like attention -- a softmax over the key axis above the second matmul's first
+operand, or a ``Q·Kᵀ`` matmul above the softmax -- but is not exactly one (another op between
+them, a dropout whose mask is not a fresh draw or whose scale is not ``1 / (1 - p)``, a softmax
+over another axis) raises :class:`Skip` with the reason, which the pass records. Anything else
+does not match (``None``).
 """
 
 from __future__ import annotations
@@ -61,6 +70,15 @@ class Match:
     bias_terms: list[BiasTerm] = field(default_factory=list)
     masks: list[MaskTerm] = field(default_factory=list)
     dtype: Optional[torch.dtype] = None  # the dtype the matmuls run in (q / k / v are cast to it)
+    dropout: Optional["Dropout"] = None  # dropout on the probabilities (training)
+
+
+class Dropout(NamedTuple):
+    """``P * keep * (1 / (1 - p))`` with ``keep = draw > p`` and ``draw`` uniform of ``P``'s shape."""
+
+    p: float
+    keep: fx.Node  # the boolean keep-mask (the backward reads it too)
+    draw: fx.Node  # the random draw; random ops survive dead-code elimination: the pass erases it
 
 
 def skip_views(n: Any, also: tuple = ()) -> Any:
@@ -224,16 +242,116 @@ def _peel_scores(x: fx.Node, masks: list[MaskTerm], bias: list[BiasTerm]
         return q, k, s * factor, three_d
 
 
-def match_at(bmm: fx.Node) -> Optional[Match]:
-    """A Match if ``bmm`` is the P·V product of an attention."""
-    p, vv = bmm.args
-    x = _softmax_input(skip_views(p, also=_SKIPPED))
-    if x is None:
+def _is_draw(n: Any) -> bool:
+    """``n`` draws uniform random numbers: ``aten.rand`` or Inductor's ``inductor_random(.., "rand")``."""
+    if is_call(n, aten.rand.default):
+        return True
+    return (isinstance(n, fx.Node) and n.op == "call_function" and str(n.target) == "prims.inductor_random.default"
+            and len(n.args) > 2 and n.args[2] == "rand")
+
+
+def _product(n: Any, depth: int = 0) -> tuple[float, list[Any]]:
+    """``n`` as ``constant * product of tensor factors``, through (up to three) ``mul`` nodes and
+    ``mul`` / ``div`` by constants."""
+    if depth < 3 and is_call(n, aten.mul.Tensor, aten.div.Tensor):
+        a, b = n.args
+        c = scalar(b)
+        if c is not None and c != 0:
+            f, factors = _product(a, depth + 1)
+            return (f * c if n.target is aten.mul.Tensor else f / c), factors
+        if n.target is aten.mul.Tensor and isinstance(a, fx.Node) and isinstance(b, fx.Node):
+            (fa, ta), (fb, tb) = _product(a, depth + 1), _product(b, depth + 1)
+            return fa * fb, ta + tb
+    return 1.0, [n]
+
+
+def _is_softmax(n: Any) -> bool:
+    return _softmax_input(skip_views(n, also=_SKIPPED)) is not None
+
+
+def _dropout(n: fx.Node) -> Optional[tuple[fx.Node, Dropout]]:
+    """(P, its dropout) if ``n`` is a softmax's ``P * (draw > p) * (1 / (1 - p))``; None if ``n``
+    multiplies no softmax; Skip for any other product of the probabilities."""
+    factor, factors = _product(n)
+    probs = [f for f in factors if _is_softmax(f)]
+    if n is factors[0] or len(probs) != 1:
         return None
+    others = [f for f in factors if f is not probs[0]]
+    if not others:
+        raise Skip(f"the probabilities are scaled by {factor:g} before the P·V matmul")
+    keep = skip_views(others[0]) if len(others) == 1 else None
+    if keep is None or not is_call(keep, aten.gt.Scalar) or not _is_draw(keep.args[0]):
+        raise Skip(f"the probabilities are multiplied by {', '.join(o.name for o in others)}, which is not a "
+                   "dropout's fresh random draw (rand(P.shape) > p)")
+    draw, p = keep.args[0], scalar(keep.args[1])
+    if shape(draw) != shape(n) or len(draw.users) != 1:
+        raise Skip(f"dropout draw {draw.name} is not one fresh draw per probability (shape {shape(draw)}, "
+                   f"{len(draw.users)} users)")
+    if p is None or not 0.0 < p < 1.0:
+        raise Skip(f"dropout keep-mask {keep.name} compares against {keep.args[1]}, not a probability in (0, 1)")
+    if abs(factor * (1.0 - p) - 1.0) > 1e-6:
+        raise Skip(f"dropout p={p:g} scaled by {factor:g}, not 1 / (1 - p) = {1.0 / (1.0 - p):g}")
+    return probs[0], Dropout(p, keep, draw)
+
+
+def _near(start: fx.Node, found: Any, depth: int = 6, same_shape: bool = False) -> Optional[fx.Node]:
+    """The first node within ``depth`` steps up from ``start`` for which ``found`` holds (through
+    any input, or with ``same_shape`` only through values of ``start``'s shape)."""
+    frontier, seen = [start], {start}
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                if found(a):
+                    return a
+                seen.add(a)
+                if not same_shape or shape(a) == shape(start):
+                    nxt.append(a)
+        frontier = nxt
+    return None
+
+
+def _between_skip(p: fx.Node) -> None:
+    """Skip if ``p`` (the P·V matmul's first operand, not a softmax) is a softmax over another
+    axis, or has a softmax over the key axis a few ops above it."""
+    if is_call(p, aten._softmax.default):
+        raise Skip(f"softmax over axis {p.args[1]}, not the key axis")
+    if _near(p, _is_softmax, depth=3, same_shape=True) is not None:
+        raise Skip(f"{p.target} ({p.name}) between the softmax and the P·V matmul is not a dropout the matcher takes")
+
+
+def _scores_skip(x: fx.Node) -> None:
+    """Skip if the softmax input ``x``, which the matcher could not read, comes from a matmul."""
+    if _near(x, lambda a: is_call(a, aten.bmm.default)) is None:
+        return
+    draw = _near(x, _is_draw)
+    if draw is not None:
+        raise Skip(f"a random draw ({draw.name}) on the scores before the softmax: dropout there is not attention "
+                   "dropout")
+    raise Skip("the scores reach the softmax through ops that are no scale, mask or bias the matcher takes")
+
+
+def match_at(bmm: fx.Node) -> Optional[Match]:
+    """A Match if ``bmm`` is the P·V product of an attention; None if it is no attention; Skip
+    (with the reason) if it looks like one but is not exactly one."""
+    p, vv = bmm.args
+    p = skip_views(p, also=_SKIPPED)
+    dropout = None
+    x = _softmax_input(p)
+    if x is None:
+        got = _dropout(p)
+        if got is None:
+            _between_skip(p)
+            return None
+        probs, dropout = got
+        x = _softmax_input(skip_views(probs, also=_SKIPPED))
     masks: list[MaskTerm] = []
     bias: list[BiasTerm] = []
     got = _peel_scores(x, masks, bias)
     if got is None:
+        _scores_skip(x)
         return None
     q, k, scale, three_d = got
     v = skip_views(vv, also=_SKIPPED)
@@ -241,14 +359,14 @@ def match_at(bmm: fx.Node) -> Optional[Match]:
     if not three_d:
         users = list(bmm.users)
         if len(users) != 1 or not is_call(users[0], *VIEWS) or len(shape(users[0])) != 4:
-            return None
+            raise Skip(f"the P·V matmul {bmm.name} is not read as one 4-D view")
         out = users[0]
     if len(shape(v)) != (3 if three_d else 4):
-        return None
+        raise Skip(f"V is {len(shape(v))}-D, Q is {3 if three_d else 4}-D")
     if any(m.factor != 1.0 and m.fill != float("-inf") for m in masks):
-        return None  # a finite fill that was rescaled afterwards is no longer finfo.min
+        raise Skip("a finfo.min mask fill rescaled afterwards (no longer finfo.min)")
     return Match(out=out, q=q, k=k, v=v, scale=scale, three_d=three_d, bias_terms=bias, masks=masks,
-                 dtype=val(bmm).dtype)
+                 dtype=val(bmm).dtype, dropout=dropout)
 
 
 def gqa_base(n: fx.Node) -> tuple[fx.Node, int]:

@@ -51,6 +51,8 @@ def check_flex(p: AttentionProblem) -> tuple[bool, str]:
         return False, "flex's block mask is built for fixed sequence lengths (dynamic shapes here)"
     if p.exporting:
         return False, "export: FlexAttention is a prototype API"
+    if p.dropout:
+        return False, "FlexAttention has no dropout"
     if p.has_mask or p.has_bias:
         return False, "flex is used for structure only (causal / window / ALiBi slopes), not mask tensors"
     if not (p.window > 0 or p.alibi):
