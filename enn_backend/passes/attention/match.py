@@ -115,11 +115,11 @@ def scalar(n: Any) -> Optional[float]:
     return None
 
 
-def _softmax_input(n: fx.Node) -> Optional[fx.Node]:
-    """``x`` if ``n`` is softmax(x) over the last axis (ATen or Inductor's decomposition)."""
+def _softmax(n: Any) -> Optional[tuple[fx.Node, int]]:
+    """(x, axis) if ``n`` is softmax(x) (ATen or Inductor's decomposition), the axis non-negative."""
     if is_call(n, aten._softmax.default):
-        x, dim = n.args[0], n.args[1]
-        return x if dim in (-1, len(shape(x)) - 1) else None
+        x = n.args[0]
+        return x, n.args[1] % len(shape(x))
     if not is_call(n, aten.div.Tensor):
         return None
     e, s = n.args
@@ -132,11 +132,16 @@ def _softmax_input(n: fx.Node) -> Optional[fx.Node]:
     if not (is_call(amax, aten.amax.default) and amax.args[0] is x):
         return None
     nd = len(shape(x))
-    for r in (amax, s):
-        dims = list(r.args[1])
-        if dims not in ([-1], [nd - 1]) or not (len(r.args) > 2 and r.args[2]):
-            return None
-    return x
+    axes = {tuple(d % nd for d in r.args[1]) for r in (amax, s)}
+    if len(axes) != 1 or len(next(iter(axes))) != 1 or not all(len(r.args) > 2 and r.args[2] for r in (amax, s)):
+        return None
+    return x, next(iter(axes))[0]
+
+
+def _softmax_input(n: Any) -> Optional[fx.Node]:
+    """``x`` if ``n`` is softmax(x) over the last axis."""
+    got = _softmax(n)
+    return got[0] if got is not None and got[1] == len(shape(got[0])) - 1 else None
 
 
 def _strip_scale(n: Any, scale: float) -> tuple[Any, float]:
@@ -316,8 +321,9 @@ def _near(start: fx.Node, found: Any, depth: int = 6, same_shape: bool = False) 
 def _between_skip(p: fx.Node) -> None:
     """Skip if ``p`` (the P·V matmul's first operand, not a softmax) is a softmax over another
     axis, or has a softmax over the key axis a few ops above it."""
-    if is_call(p, aten._softmax.default):
-        raise Skip(f"softmax over axis {p.args[1]}, not the key axis")
+    soft = _softmax(p)
+    if soft is not None:
+        raise Skip(f"softmax over axis {soft[1]}, not the key axis")
     if _near(p, _is_softmax, depth=3, same_shape=True) is not None:
         raise Skip(f"{p.target} ({p.name}) between the softmax and the P·V matmul is not a dropout the matcher takes")
 

@@ -59,7 +59,7 @@ class EnnOpKernel:
                                      {"dtype": torch.int64, "device": torch.device("cpu")})
         fwd = self.em.call(torch.ops.enn.attention.default,
                            (o.q, o.k, o.v, o.bias, o.mask, o.alibi, scale, causal, window, p, self.plan.masked_rows,
-                            self.plan.backend.value, self.seed))
+                            self.plan.backend.value) + ((self.seed,) if p else ()))
         self.out, self.lse = self.em.items(fwd, 2)
         return self.out if self.dead is None else self.dead.forward(self.out)
 
@@ -68,7 +68,7 @@ class EnnOpKernel:
         g_op = g if self.dead is None else self.dead.kernel_grad(g, before)
         b = self.em.call(torch.ops.enn.attention_backward.default,
                          (g_op, o.q, o.k, o.v, o.bias, o.mask, o.alibi, self.out, self.lse, scale, causal, window,
-                          self.plan.masked_rows, self.plan.backend.value, self.plan.bias_grad, self.plan.problem.dropout,
-                          self.seed), before=before)
+                          self.plan.masked_rows, self.plan.backend.value, self.plan.bias_grad)
+                         + ((self.plan.problem.dropout, self.seed) if self.seed is not None else ()), before=before)
         grads = self.em.items(b, 4, before)
         return grads if self.dead is None else self.dead.grads(g, *grads[:3], before) + grads[3:]
