@@ -4,6 +4,14 @@ Per ``bmm`` of the joint graph (training: forward + backward; inference: forward
 :func:`~.match.match_at` recognizes the attention, :func:`~.plan.plan_site` decides everything
 (masks, regions, kernel) before the first edit, and :func:`~.rewrite.rewrite` emits the plan's
 kernel (``kernels/``). Layout and how to add a pattern family or a kernel: ../README.md.
+
+Attention dropout (``F.dropout`` / ``nn.Dropout`` on the probabilities) is fused with the kernel's
+own dropout. RNG semantics: the kernel draws its own random stream (SDPA's philox on CUDA; in
+``enn::attention`` a mask drawn from a seed the graph draws, drawn again by the backward), so with
+dropout on the results equal eager's in distribution, not bitwise -- Inductor's own dropout does
+not reproduce eager's stream either. With dropout off (``p = 0``, eval mode) the graph holds no
+dropout and the results are exactly as before. Every site that looks like attention and is not
+fused gets a report line with the reason (a ``kernel_choice`` or a ``pass_skipped`` fallback).
 """
 
 from __future__ import annotations
