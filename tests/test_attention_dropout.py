@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import enn_backend
 from attention_cases import BACKEND, CPU_FLASH, UNFUSED, aten, enn, fused
 from enn_backend.custom_ops.attention import Backend
+from enn_backend.custom_ops.attention.masks import dropout_scale
 from enn_backend.passes.attention.policy import choose
 from enn_backend.passes.attention.problem import AttentionProblem
 from pass_harness import assert_ops, find_ops, run_passes
@@ -112,6 +113,30 @@ def test_cuda_dropout_goes_to_a_kernel_with_dropout(capability, dtype, want):
     assert "draw" in choose(problem, "math").forced_failed
     masked = AttentionProblem(**{**problem.__dict__, "has_mask": True})
     assert "ATen op" in choose(masked, "efficient").forced_failed
+
+
+def test_op_backward_redraws_the_forwards_mask():
+    """enn::attention with dropout: out and gradients are those of eager math with the mask the
+    seed gives (dropout_scale), so the backward drew the forward's mask again."""
+    q, k, v = qkv(grad=True)
+    seed = torch.tensor(77)
+    out, _ = torch.ops.enn.attention(q, k, v, None, None, None, 0.5, True, 0, 0.25, "eager", "explicit", seed)
+    scale = dropout_scale(q, k, 0.25, seed)
+    torch.testing.assert_close(scale.unique(), torch.tensor([0.0, 1 / 0.75]))
+    keep = torch.ones(T, T, dtype=torch.bool).tril()
+    ref = ((q @ k.transpose(-1, -2) * 0.5).masked_fill(~keep, float("-inf")).softmax(-1) * scale) @ v
+    g = torch.randn_like(out)
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, b)
+
+
+def test_op_refuses_dropout_it_cannot_draw():
+    q, k, v = qkv(grad=False)
+    with pytest.raises(ValueError, match="needs backend 'explicit' and an integer seed"):
+        torch.ops.enn.attention(q, k, v, None, None, None, 0.5, False, 0, 0.1, "eager", "cpu_flash", torch.tensor(1))
+    with pytest.raises(ValueError, match="needs backend 'explicit' and an integer seed"):
+        torch.ops.enn.attention(q, k, v, None, None, None, 0.5, False, 0, 0.1, "eager", "explicit")
 
 
 # ----------------------------------------------------------------------------- dropout off: exact

@@ -162,9 +162,14 @@ def OPCHECK_SAMPLES() -> dict:
             fwd.append(((q, k, v, None, None, None, 0.35, True, 0, 0.0, "eager", backend), {}))
             fwd.append(((q, k, v, t(1, h, tt, tt, dtype=dtype, grad=grad), keep, None, 0.35, False, 0, 0.0, "zero", backend), {}))
             fwd.append(((q, k, v, None, None, slopes, 0.35, True, 3, 0.0, "eager", backend), {}))
+    seed = torch.tensor(1234)  # dropout: the mask drawn from the seed, the backward's the same
+    q, k, v = t(b, h, tt, d, grad=True), t(b, hkv, tt, d, grad=True), t(b, hkv, tt, d, grad=True)
+    fwd.append(((q, k, v, None, keep, None, 0.35, True, 0, 0.25, "eager", "explicit", seed), {}))
     q, k, v = t(b, h, tt, d), t(b, hkv, tt, d), t(b, hkv, tt, d)
     bias = t(1, h, tt, tt)
     out, lse = attention(q, k, v, bias, keep, None, 0.35, False, 0, 0.0, "eager", "explicit")
     bwd = [((t(b, h, tt, d), q, k, v, bias, keep, None, out, lse, 0.35, False, 0, "eager", "explicit", True), {}),
-           ((t(b, h, tt, d), q, k, v, None, None, None, out, lse, 0.35, True, 0, "eager", "cpu_flash", False), {})]
+           ((t(b, h, tt, d), q, k, v, None, None, None, out, lse, 0.35, True, 0, "eager", "cpu_flash", False), {}),
+           ((t(b, h, tt, d), q, k, v, bias, keep, None, out, lse, 0.35, False, 0, "eager", "explicit", True, 0.25,
+             seed), {})]
     return {"enn::attention": fwd, "enn::attention_backward": bwd}
