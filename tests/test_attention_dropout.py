@@ -201,6 +201,11 @@ def test_dropout_statistics_match_eager():
     assert run.matches == {"attention": 1}
     fused_draws = draws(run.compiled, args, 0, grad_out)
     eager_draws = draws(attend_dropout, args, 10_000, grad_out)
+    # Each alone, the gradients of a backward that drew another mask than the forward would have
+    # the right distribution; per draw <out, g> = <(P*D) V, g> = <V, (P*D)^T g> = <V, dV> holds
+    # only with the forward's mask D.
+    v, g = args[2].detach().double().flatten(), grad_out.double().flatten()
+    torch.testing.assert_close(fused_draws["out"] @ g, fused_draws["dv"] @ v, rtol=1e-5, atol=1e-5)  # fp32 sums
     z = zs(fused_draws, eager_draws)
     assert max(abs(x) for x in z.values()) < Z, z
     broken = zs(draws(attend_no_scaling, args, 20_000, grad_out), eager_draws)
