@@ -6,7 +6,8 @@ The matcher starts at each ``bmm(P, V)`` and walks up::
     x = cast? / where(cond, fill, ·) / add(·, bias) / mul|div(·, c) ... around
         view(bmm(view(expand(cast?(Q·c?))), view(expand(cast?(permute(K·c?))))))
 
-softmax is ``_softmax`` or Inductor's decomposition ``exp(x - amax) / sum`` over the key axis;
+softmax is ``_softmax``, Inductor's decomposition ``exp(x - amax) / sum`` or SDPA math's safe
+softmax, over the key axis (softmax.py);
 casts are autocast's; the fill of a ``masked_fill`` / ``where`` is ``-inf`` or ``finfo.min``;
 K/V may be grouped-query (``unsqueeze -> expand -> clone -> view``, what ``repeat_interleave``
 and HF's ``repeat_kv`` produce: :func:`gqa_base`). What the masks and bias terms are is
@@ -34,9 +35,11 @@ import torch
 import torch.fx as fx
 
 from ..fx_utils import CONVERT, VIEWS, is_call, shape, val
+from .softmax import softmax_input, softmax_of
 
 aten = torch.ops.aten
 _SKIPPED = (CONVERT,)  # what the walk from a matmul operand to Q / K / V steps through besides views
+_MULS, _DIVS = (aten.mul.Tensor, aten.mul.Scalar), (aten.div.Tensor, aten.div.Scalar)
 
 
 class Skip(Exception):
@@ -71,6 +74,7 @@ class Match:
     masks: list[MaskTerm] = field(default_factory=list)
     dtype: Optional[torch.dtype] = None  # the dtype the matmuls run in (q / k / v are cast to it)
     dropout: Optional["Dropout"] = None  # dropout on the probabilities (training)
+    zero_rows: bool = False  # a safe softmax (softmax.py): rows whose every score is -inf give 0
 
 
 class Dropout(NamedTuple):
@@ -115,40 +119,12 @@ def scalar(n: Any) -> Optional[float]:
     return None
 
 
-def _softmax(n: Any) -> Optional[tuple[fx.Node, int]]:
-    """(x, axis) if ``n`` is softmax(x) (ATen or Inductor's decomposition), the axis non-negative."""
-    if is_call(n, aten._softmax.default):
-        x = n.args[0]
-        return x, n.args[1] % len(shape(x))
-    if not is_call(n, aten.div.Tensor):
-        return None
-    e, s = n.args
-    if not (is_call(e, aten.exp.default) and is_call(s, aten.sum.dim_IntList) and s.args[0] is e):
-        return None
-    sub = e.args[0]
-    if not is_call(sub, aten.sub.Tensor):
-        return None
-    x, amax = sub.args
-    if not (is_call(amax, aten.amax.default) and amax.args[0] is x):
-        return None
-    nd = len(shape(x))
-    axes = {tuple(d % nd for d in r.args[1]) for r in (amax, s)}
-    if len(axes) != 1 or len(next(iter(axes))) != 1 or not all(len(r.args) > 2 and r.args[2] for r in (amax, s)):
-        return None
-    return x, next(iter(axes))[0]
-
-
-def _softmax_input(n: Any) -> Optional[fx.Node]:
-    """``x`` if ``n`` is softmax(x) over the last axis."""
-    got = _softmax(n)
-    return got[0] if got is not None and got[1] == len(shape(got[0])) - 1 else None
-
-
 def _strip_scale(n: Any, scale: float) -> tuple[Any, float]:
     """Step up through ``mul`` / ``div`` by constants (and casts / views), folding them into ``scale``."""
-    while is_call(n, aten.mul.Tensor, aten.div.Tensor) and scalar(n.args[1]) is not None:
+    # (SDPA's math path scales Q and Kᵀ by sqrt(scale) each, as mul.Scalar)
+    while is_call(n, *_MULS, *_DIVS) and scalar(n.args[1]) is not None:
         c = scalar(n.args[1])
-        scale = scale * c if n.target is aten.mul.Tensor else scale / c
+        scale = scale * c if n.target in _MULS else scale / c
         n = skip_views(n.args[0], also=_SKIPPED)
     return n, scale
 
@@ -271,7 +247,7 @@ def _product(n: Any, depth: int = 0) -> tuple[float, list[Any]]:
 
 
 def _is_softmax(n: Any) -> bool:
-    return _softmax_input(skip_views(n, also=_SKIPPED)) is not None
+    return softmax_input(skip_views(n, also=_SKIPPED))[0] is not None
 
 
 def _dropout(n: fx.Node) -> Optional[tuple[fx.Node, Dropout]]:
@@ -321,7 +297,7 @@ def _near(start: fx.Node, found: Any, depth: int = 6, same_shape: bool = False) 
 def _between_skip(p: fx.Node) -> None:
     """Skip if ``p`` (the P·V matmul's first operand, not a softmax) is a softmax over another
     axis, or has a softmax over the key axis a few ops above it."""
-    soft = _softmax(p)
+    soft = softmax_of(p)
     if soft is not None:
         raise Skip(f"softmax over axis {soft[1]}, not the key axis")
     if _near(p, _is_softmax, depth=3, same_shape=True) is not None:
@@ -345,14 +321,13 @@ def match_at(bmm: fx.Node) -> Optional[Match]:
     p, vv = bmm.args
     p = skip_views(p, also=_SKIPPED)
     dropout = None
-    x = _softmax_input(p)
-    if x is None:
+    if not _is_softmax(p):
         got = _dropout(p)
         if got is None:
             _between_skip(p)
             return None
-        probs, dropout = got
-        x = _softmax_input(skip_views(probs, also=_SKIPPED))
+        p, dropout = got
+    x, zero_rows = softmax_input(skip_views(p, also=_SKIPPED))
     masks: list[MaskTerm] = []
     bias: list[BiasTerm] = []
     got = _peel_scores(x, masks, bias)
@@ -372,7 +347,7 @@ def match_at(bmm: fx.Node) -> Optional[Match]:
     if any(m.factor != 1.0 and m.fill != float("-inf") for m in masks):
         raise Skip("a finfo.min mask fill rescaled afterwards (no longer finfo.min)")
     return Match(out=out, q=q, k=k, v=v, scale=scale, three_d=three_d, bias_terms=bias, masks=masks,
-                 dtype=val(bmm).dtype, dropout=dropout)
+                 dtype=val(bmm).dtype, dropout=dropout, zero_rows=zero_rows)
 
 
 def gqa_base(n: fx.Node) -> tuple[fx.Node, int]:
