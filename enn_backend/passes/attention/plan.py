@@ -149,5 +149,6 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
     provenance = "; ".join(filter(None, (
         tensor_provenance(t, dims, shape(m.q)[0], current_module_state())
         for t in [b.node for b in st.bias] + [t.cond for t in st.keep + st.floors if t.keep_when_true])))
-    return Plan(m, k, v, rep, st, regions, bias_grad, terms, problem, choice, kernel,
-                "zero" if opts.masked_rows == "zero" or m.zero_rows else "eager", refusal, provenance, padding, padding_refused)
+    masked_rows = "zero" if opts.masked_rows == "zero" or m.zero_rows else "eager"
+    return Plan(m, k, v, rep, st, regions, bias_grad, terms, problem, choice, kernel, masked_rows, refusal, provenance,
+                padding, padding_refused)
