@@ -260,7 +260,7 @@ def _dropout(n: fx.Node) -> Optional[tuple[fx.Node, Dropout]]:
     others = [f for f in factors if f is not probs[0]]
     if not others:
         raise Skip(f"the probabilities are scaled by {factor:g} before the P·V matmul")
-    keep = skip_views(others[0]) if len(others) == 1 else None
+    keep = skip_views(others[0], also=_SKIPPED) if len(others) == 1 else None
     if keep is None or not is_call(keep, aten.gt.Scalar) or not _is_draw(keep.args[0]):
         raise Skip(f"the probabilities are multiplied by {', '.join(o.name for o in others)}, which is not a "
                    "dropout's fresh random draw (rand(P.shape) > p)")
