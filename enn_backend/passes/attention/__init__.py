@@ -27,7 +27,7 @@ from ...custom_ops.attention import Backend
 from ...report import FallbackKind, report
 from ..fx_utils import fake_mode, is_call
 from ..manager import EnnPass, PassContext, current_module_state
-from .match import Skip, match_at
+from .match import Skip, Unread, match_at
 from .plan import Plan, plan_site
 from .regions import is_backward
 from .rewrite import rewrite
@@ -56,7 +56,12 @@ class AttentionPass(EnnPass):
             if n.graph is not graph or not is_call(n, aten.bmm.default) or is_backward(n):
                 continue
             try:
-                m = match_at(n)
+                try:
+                    m = match_at(n)
+                except Unread:
+                    if ctx.stage != self.stages()[-1]:
+                        continue  # the last stage may read it once Inductor's clean-up ran, or says why not
+                    raise
                 if m is None:
                     continue
                 if mode is None:

@@ -22,8 +22,9 @@ kernels/), so the pass erases the graph's draw with the site.
 A site that looks like attention -- a softmax over the key axis above the second matmul's first
 operand, or a ``Q·Kᵀ`` matmul above the softmax -- but is not exactly one (another op between
 them, a dropout whose mask is not a fresh draw or whose scale is not ``1 / (1 - p)``, a softmax
-over another axis) raises :class:`Skip` with the reason, which the pass records. Anything else
-does not match (``None``).
+over another axis) raises :class:`Skip` with the reason, which the pass records; scores it cannot
+read raise :class:`Unread`, recorded only at the pass's last stage (Inductor's clean-up between
+the stages may make them readable). Anything else does not match (``None``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ _MULS, _DIVS = (aten.mul.Tensor, aten.mul.Scalar), (aten.div.Tensor, aten.div.Sc
 
 class Skip(Exception):
     """A match that is not fused; the message says why (recorded as a PASS_SKIPPED fallback)."""
+
+
+class Unread(Skip):
+    """Scores the matcher cannot read at this stage; Inductor's clean-up between the pass's
+    stages may make them readable (a ``scalar_tensor`` fill it folds), so only the last stage says why."""
 
 
 class MaskTerm(NamedTuple):
@@ -312,7 +318,7 @@ def _scores_skip(x: fx.Node) -> None:
     if draw is not None:
         raise Skip(f"a random draw ({draw.name}) on the scores before the softmax: dropout there is not attention "
                    "dropout")
-    raise Skip("the scores reach the softmax through ops that are no scale, mask or bias the matcher takes")
+    raise Unread("the scores reach the softmax through ops that are no scale, mask or bias the matcher takes")
 
 
 def match_at(bmm: fx.Node) -> Optional[Match]:
