@@ -314,7 +314,7 @@ def _scores_skip(x: fx.Node) -> None:
     """Skip if the softmax input ``x``, which the matcher could not read, comes from a matmul."""
     if _near(x, lambda a: is_call(a, aten.bmm.default)) is None:
         return
-    draw = _near(x, _is_draw)
+    draw = _near(x, _is_draw, same_shape=True)  # a draw of the scores' shape, not one on the hidden states
     if draw is not None:
         raise Skip(f"a random draw ({draw.name}) on the scores before the softmax: dropout there is not attention "
                    "dropout")
