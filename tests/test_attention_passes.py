@@ -323,16 +323,6 @@ def test_softmax_over_the_query_axis_of_a_3d_attention_is_not_fused():
     untouched(softmax_over_dim1_3d, [torch.randn(3, T, D) for _ in range(3)])
 
 
-def test_dropout_between_softmax_and_v_is_not_fused():
-    def dropout_between(q, k, v):
-        att = (q @ k.transpose(-1, -2) * 0.3).softmax(-1)
-        return F.dropout(att, 0.5, training=True) @ v
-
-    run = run_passes(dropout_between, qkv(), ["attention"])
-    assert run.matches == {"attention": 0}
-    assert_ops(run.stages[0].after, present=[aten.bmm], absent=[enn.attention, CPU_FLASH])
-
-
 def test_tiny_cpu_attention_left_to_inductor(monkeypatch):
     monkeypatch.delenv("ENN_ATTENTION_ORDER")
     untouched(causal_tril, qkv(grad=False))

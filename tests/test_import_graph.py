@@ -23,6 +23,7 @@ KNOWN_LOCAL_IMPORTS: set[tuple[str, str]] = set()
 # The attention package, lowest layer first: a module imports only modules of earlier layers.
 A = "enn_backend.passes.attention"
 ATTENTION_LAYERS = (
+    {f"{A}.softmax"},  # the softmax forms the matcher reads
     {f"{A}.problem", f"{A}.match", f"{A}.emitter", f"{A}.constants"},
     {f"{A}.provenance"},
     {f"{A}.masks", f"{A}.regions"},

@@ -1,6 +1,6 @@
 """``enn::attention`` and ``enn::attention_backward``: fused attention with what the pattern recognized.
 
-``enn::attention(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend)``
+``enn::attention(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend, seed=None)``
 returns ``(out, lse)``:
 
 - ``q`` ``[B, Hq, Tq, D]``, ``k`` ``[B, Hkv, Tk, D]``, ``v`` ``[B, Hkv, Tk, Dv]``; ``Hq`` a multiple of
@@ -10,7 +10,10 @@ returns ``(out, lse)``:
 - ``alibi``: optional per-head slopes ``[Hq]``; adds ``slopes[h] * (j - i)`` to the scores.
 - ``causal``: key ``j`` is kept for query ``i`` only if ``j <= i`` (top-left aligned, like SDPA).
 - ``window``: if > 0, also only keys with ``i - j < window`` (a sliding-window band).
-- ``dropout_p``: must be 0.0 (enn does not fuse attention with dropout yet; see the pass).
+- ``dropout_p``: dropout on the probabilities, ``explicit`` backend only: the mask ``u > p`` (``u``
+  uniform, drawn from a generator seeded by ``seed``, an int64 scalar tensor), scaled by
+  ``1 / (1 - p)``. ``enn::attention_backward`` takes the same ``dropout_p`` and ``seed`` and draws
+  the same mask again. Its own random stream: eager's values in distribution, not bitwise.
 - ``masked_rows``: ``"eager"`` gives NaN for a query row whose keys are all masked (what the
   hand-written ``softmax(masked_fill(-inf))`` gives in eager), ``"zero"`` gives 0 there.
 - ``backend``: the kernel the policy chose (enn_backend/passes/attention/policy.py), one of

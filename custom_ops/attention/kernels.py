@@ -63,20 +63,24 @@ def _probs(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return p, (top + torch.log(total)).squeeze(-1)
 
 
-def explicit_fwd(q, k, v, bias, mask, alibi, scale, causal, window):
+def explicit_fwd(q, k, v, bias, mask, alibi, scale, causal, window, dropout=None):
+    """``dropout``: each probability's dropout factor (masks.dropout_scale), or None."""
     p, lse = _probs(_scores(q, k, bias, mask, alibi, scale, causal, window))
-    out = torch.matmul(p, _repeat_kv(v, q.shape[1]).float()).to(q.dtype)
+    pd = p if dropout is None else p * dropout
+    out = torch.matmul(pd, _repeat_kv(v, q.shape[1]).float()).to(q.dtype)
     return out, lse
 
 
-def explicit_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window):
+def explicit_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, dropout=None):
     hkv = k.shape[1]
     p, _ = _probs(_scores(q, k, bias, mask, alibi, scale, causal, window))  # dead rows: 0
     vv = _repeat_kv(v, q.shape[1]).float()
     kk = _repeat_kv(k, q.shape[1]).float()
     gf = g.float()
-    dv = torch.matmul(p.transpose(-2, -1), gf)
+    dv = torch.matmul((p if dropout is None else p * dropout).transpose(-2, -1), gf)
     dp = torch.matmul(gf, vv.transpose(-2, -1))
+    if dropout is not None:  # the gradient of P through P * dropout
+        dp = dp * dropout
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
     dq = torch.matmul(ds, kk) * scale
     dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale

@@ -181,3 +181,16 @@ def saturated_counts(fb: torch.Tensor) -> torch.Tensor:
     count = low.sum(-1, keepdim=True, dtype=torch.float32)
     saturated = (top <= SATURATED) & (top > float("-inf"))
     return torch.where(saturated, count, torch.ones_like(count))
+
+
+def dropout_scale(q: torch.Tensor, k: torch.Tensor, dropout_p: float, seed: Optional[torch.Tensor]
+                  ) -> Optional[torch.Tensor]:
+    """The dropout factor of each probability, ``(u > p) / (1 - p)`` in fp32 ``[B, Hq, Tq, Tk]``,
+    with ``u`` uniform from a generator seeded by ``seed`` (an int64 scalar): the forward and
+    the backward draw the same mask from it. None without dropout."""
+    if dropout_p == 0.0:
+        return None
+    gen = torch.Generator(device=q.device)
+    gen.manual_seed(int(seed))
+    u = torch.rand((q.shape[0], q.shape[1], q.shape[2], k.shape[2]), generator=gen, device=q.device)
+    return (u > dropout_p).float() / (1.0 - dropout_p)

@@ -10,7 +10,7 @@ import torch
 
 from .backends import BACKENDS, LSE_BACKWARD, MASKED_ROWS, Backend
 from .kernels import BWD, FWD, explicit_bwd, explicit_fwd, recompute_bwd, recompute_fwd
-from .masks import dead_rows, full_bias, normalize_mask, saturated_counts
+from .masks import dead_rows, dropout_scale, full_bias, normalize_mask, saturated_counts
 
 def _fix_rows(out: torch.Tensor, dead: Optional[torch.Tensor], masked_rows: str) -> torch.Tensor:
     if dead is None:
@@ -19,13 +19,16 @@ def _fix_rows(out: torch.Tensor, dead: Optional[torch.Tensor], masked_rows: str)
     return torch.where(dead, torch.full((), fill, dtype=out.dtype, device=out.device), out)
 
 
-def _check(q, k, v, backend, masked_rows, dropout_p):
+def _check(q, k, v, backend, masked_rows, dropout_p, seed):
     if backend not in BACKENDS:
         raise ValueError(f"enn::attention: unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if masked_rows not in MASKED_ROWS:
         raise ValueError(f"enn::attention: masked_rows must be one of {MASKED_ROWS}, got {masked_rows!r}")
-    if dropout_p != 0.0:
-        raise ValueError("enn::attention: dropout_p must be 0.0 (attention with dropout is not fused by enn)")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"enn::attention: dropout_p must be in [0, 1), got {dropout_p}")
+    if dropout_p and (backend != Backend.EXPLICIT or seed is None or seed.numel() != 1 or seed.is_floating_point()):
+        raise ValueError("enn::attention: dropout_p > 0 needs backend 'explicit' and an integer seed tensor (one "
+                         f"element) to draw the mask from; got backend {backend!r}, seed {seed!r}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] % k.shape[1]:
         raise ValueError(f"enn::attention: want 4-D q/k/v with Hq % Hkv == 0, got {tuple(q.shape)}, {tuple(k.shape)}")
 
@@ -33,12 +36,15 @@ def _check(q, k, v, backend, masked_rows, dropout_p):
 @torch.library.custom_op("enn::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
               mask: Optional[torch.Tensor], alibi: Optional[torch.Tensor], scale: float, causal: bool,
-              window: int, dropout_p: float, masked_rows: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ · scale + bias + alibi, masked) v on the chosen backend; returns (out, lse)."""
-    _check(q, k, v, backend, masked_rows, dropout_p)
+              window: int, dropout_p: float, masked_rows: str, backend: str, seed: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dropout(softmax(q kᵀ · scale + bias + alibi, masked)) v on the chosen backend; returns (out, lse)."""
+    _check(q, k, v, backend, masked_rows, dropout_p, seed)
     mask, causal = normalize_mask(q, k, mask, causal, window)
     fwd = FWD.get(backend)
-    if fwd is not None:
+    if dropout_p:
+        out, lse = explicit_fwd(q, k, v, bias, mask, alibi, scale, causal, window, dropout_scale(q, k, dropout_p, seed))
+    elif fwd is not None:
         out, lse = fwd(q, k, v, bias, mask, alibi, scale, causal, window)
     else:
         out, lse = recompute_fwd(q, k, v, bias, mask, alibi, scale, causal, window, backend)
@@ -47,7 +53,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[
 
 
 @attention.register_fake
-def _attention_fake(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend):
+def _attention_fake(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend, seed=None):
     b, hq, tq, _ = q.shape
     out = q.new_empty((b, hq, tq, v.shape[-1]))
     if backend in FWD:
@@ -59,9 +65,11 @@ def _attention_fake(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        bias: Optional[torch.Tensor], mask: Optional[torch.Tensor], alibi: Optional[torch.Tensor],
                        out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool, window: int,
-                       masked_rows: str, backend: str, bias_grad: bool
+                       masked_rows: str, backend: str, bias_grad: bool, dropout_p: float = 0.0,
+                       seed: Optional[torch.Tensor] = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv, dbias) of :func:`attention`; dbias is empty unless ``bias_grad``.
+    With dropout, the mask is drawn again from ``seed``: the forward's.
 
     Rows whose keys are all masked: with ``masked_rows="eager"`` the forward gave NaN there and
     eager autograd gives NaN for the whole ``dv`` of that (batch, kv-head) while those rows add
@@ -75,7 +83,11 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         g = (g.float() / saturated_counts(fb)).to(g.dtype)
     if dead is not None:
         out = out.masked_fill(dead, 0.0)  # the forward's NaN fix-up must not leak into the kernels
-    if backend in BWD and not (bias_grad and backend == Backend.CPU_FLASH):
+    _check(q, k, v, backend, masked_rows, dropout_p, seed)
+    if dropout_p:
+        dq, dk, dv, db = explicit_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window,
+                                       dropout_scale(q, k, dropout_p, seed))
+    elif backend in BWD and not (bias_grad and backend == Backend.CPU_FLASH):
         dq, dk, dv, db = BWD[backend](g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window)
         if bias_grad and db is None:  # pragma: no cover - cpu_flash with bias grad is routed to explicit
             raise RuntimeError("enn::attention_backward: backend gave no bias gradient")
@@ -99,7 +111,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 @attention_backward.register_fake
 def _attention_backward_fake(grad_out, q, k, v, bias, mask, alibi, out, lse, scale, causal, window,
-                             masked_rows, backend, bias_grad):
+                             masked_rows, backend, bias_grad, dropout_p=0.0, seed=None):
     dbias = torch.empty_like(bias, memory_format=torch.contiguous_format) if (bias_grad and bias is not None) else q.new_empty((0,))
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -107,21 +119,21 @@ def _attention_backward_fake(grad_out, q, k, v, bias, mask, alibi, out, lse, sca
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend = inputs
+    q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend, seed = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, bias, mask, alibi, out, lse)
-    ctx.args = (scale, causal, window, masked_rows, backend)
+    ctx.save_for_backward(q, k, v, bias, mask, alibi, out, lse, seed)
+    ctx.args = (scale, causal, window, masked_rows, backend, dropout_p)
     ctx.bias_grad = bias is not None and bias.is_floating_point() and bias.requires_grad
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, bias, mask, alibi, out, lse = ctx.saved_tensors
-    scale, causal, window, masked_rows, backend = ctx.args
+    q, k, v, bias, mask, alibi, out, lse, seed = ctx.saved_tensors
+    scale, causal, window, masked_rows, backend, dropout_p = ctx.args
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv, dbias = attention_backward(grad_out, q, k, v, bias, mask, alibi, out, lse, scale, causal,
-                                           window, masked_rows, backend, ctx.bias_grad)
-    return dq, dk, dv, (dbias if ctx.bias_grad else None), None, None, None, None, None, None, None, None
+                                           window, masked_rows, backend, ctx.bias_grad, dropout_p, seed)
+    return dq, dk, dv, (dbias if ctx.bias_grad else None), None, None, None, None, None, None, None, None, None
 
 
 attention.register_autograd(_backward, setup_context=_setup_context)
@@ -150,9 +162,14 @@ def OPCHECK_SAMPLES() -> dict:
             fwd.append(((q, k, v, None, None, None, 0.35, True, 0, 0.0, "eager", backend), {}))
             fwd.append(((q, k, v, t(1, h, tt, tt, dtype=dtype, grad=grad), keep, None, 0.35, False, 0, 0.0, "zero", backend), {}))
             fwd.append(((q, k, v, None, None, slopes, 0.35, True, 3, 0.0, "eager", backend), {}))
+    seed = torch.tensor(1234)  # dropout: the mask drawn from the seed, the backward's the same
+    q, k, v = t(b, h, tt, d, grad=True), t(b, hkv, tt, d, grad=True), t(b, hkv, tt, d, grad=True)
+    fwd.append(((q, k, v, None, keep, None, 0.35, True, 0, 0.25, "eager", "explicit", seed), {}))
     q, k, v = t(b, h, tt, d), t(b, hkv, tt, d), t(b, hkv, tt, d)
     bias = t(1, h, tt, tt)
     out, lse = attention(q, k, v, bias, keep, None, 0.35, False, 0, 0.0, "eager", "explicit")
     bwd = [((t(b, h, tt, d), q, k, v, bias, keep, None, out, lse, 0.35, False, 0, "eager", "explicit", True), {}),
-           ((t(b, h, tt, d), q, k, v, None, None, None, out, lse, 0.35, True, 0, "eager", "cpu_flash", False), {})]
+           ((t(b, h, tt, d), q, k, v, None, None, None, out, lse, 0.35, True, 0, "eager", "cpu_flash", False), {}),
+           ((t(b, h, tt, d), q, k, v, bias, keep, None, out, lse, 0.35, False, 0, "eager", "explicit", True, 0.25,
+             seed), {})]
     return {"enn::attention": fwd, "enn::attention_backward": bwd}

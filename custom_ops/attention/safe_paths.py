@@ -15,8 +15,8 @@ from .op import attention, attention_backward, default_scale
 # math, whatever kernel the policy chose. The outputs keep the chosen backend's layout (a
 # recompute backend saves an empty lse), so the graphs around the node are unchanged.
 @register_safe_path("enn.attention.default")
-def _attention_safe(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend):
-    out, lse = attention(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, "explicit")
+def _attention_safe(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, backend, seed=None):
+    out, lse = attention(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p, masked_rows, "explicit", seed)
     if backend not in FWD:
         lse = q.new_empty((0,), dtype=torch.float32)
     return out, lse
@@ -24,12 +24,12 @@ def _attention_safe(q, k, v, bias, mask, alibi, scale, causal, window, dropout_p
 
 @register_safe_path("enn.attention_backward.default")
 def _attention_backward_safe(grad_out, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, masked_rows,
-                             backend, bias_grad):
+                             backend, bias_grad, dropout_p=0.0, seed=None):
     if lse.numel() == 0:  # saved by a recompute backend: rebuild it with the explicit forward
         m, c = normalize_mask(q, k, mask, causal, window)
         lse = explicit_fwd(q, k, v, bias, m, alibi, scale, c, window)[1]
     return attention_backward(grad_out, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, masked_rows,
-                              "explicit", bias_grad)
+                              "explicit", bias_grad, dropout_p, seed)
 
 
 # ----------------------------------------------------------------------------- safe paths of emitted kernels
@@ -71,6 +71,12 @@ def _scale(q, scale):
     return default_scale(q.shape[-1]) if scale is None else scale
 
 
+def _kernel_drew(op, args, kwargs, dropout_p):
+    """With dropout the kernel's backward redraws its mask from the philox seed / offset its
+    forward saved; no other code can: the reference is the kernel itself (None: no dropout)."""
+    return op(*args, **kwargs) if dropout_p else None
+
+
 def _math_grads(g, q, k, v, attn_mask, is_causal, scale):
     """The kernel's gradients by enn's math: eager's, times the count of a saturated row (the
     kernel's own factor there, see saturated_counts), so a pinned backward node computes what
@@ -104,6 +110,11 @@ def _cpu_flash_backward_safe(g, q, k, v, out, lse, dropout_p, is_causal, *, attn
 @register_safe_path("aten._scaled_dot_product_flash_attention_backward.default")
 def _flash_backward_safe(g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *,
                          scale=None):
+    op = aten._scaled_dot_product_flash_attention_backward.default
+    drew = _kernel_drew(op, (g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset),
+                        {"scale": scale}, dropout_p)
+    if drew is not None:
+        return drew
     dq, dk, dv, _ = _math_grads(g, q, k, v, None, is_causal, scale)
     return _kernel_layout(aten._scaled_dot_product_flash_attention_backward.default,
                           (g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset),
@@ -113,6 +124,11 @@ def _flash_backward_safe(g, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropo
 @register_safe_path("aten._scaled_dot_product_cudnn_attention_backward.default")
 def _cudnn_backward_safe(g, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p,
                          is_causal, *, scale=None):
+    op = aten._scaled_dot_product_cudnn_attention_backward.default
+    drew = _kernel_drew(op, (g, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p,
+                             is_causal), {"scale": scale}, dropout_p)
+    if drew is not None:
+        return drew
     dq, dk, dv, _ = _math_grads(g, q, k, v, attn_bias, is_causal, scale)
     return _kernel_layout(aten._scaled_dot_product_cudnn_attention_backward.default,
                           (g, q, k, v, out, lse, seed, offset, attn_bias, cum_q, cum_k, max_q, max_k, dropout_p,
@@ -122,6 +138,11 @@ def _cudnn_backward_safe(g, q, k, v, out, lse, seed, offset, attn_bias, cum_q, c
 @register_safe_path("aten._scaled_dot_product_efficient_attention_backward.default")
 def _efficient_backward_safe(g, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask,
                              is_causal=False, *, scale=None):
+    op = aten._scaled_dot_product_efficient_attention_backward.default
+    drew = _kernel_drew(op, (g, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal),
+                        {"scale": scale}, dropout_p)
+    if drew is not None:
+        return drew
     dq, dk, dv, db = _math_grads(g, q, k, v, attn_bias, is_causal, scale)
     dbias = db if (grad_input_mask[3] and attn_bias is not None) else None
     return _kernel_layout(aten._scaled_dot_product_efficient_attention_backward.default,

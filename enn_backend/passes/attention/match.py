@@ -6,14 +6,25 @@ The matcher starts at each ``bmm(P, V)`` and walks up::
     x = cast? / where(cond, fill, ·) / add(·, bias) / mul|div(·, c) ... around
         view(bmm(view(expand(cast?(Q·c?))), view(expand(cast?(permute(K·c?))))))
 
-softmax is ``_softmax`` or Inductor's decomposition ``exp(x - amax) / sum`` over the key axis;
+softmax is ``_softmax``, Inductor's decomposition ``exp(x - amax) / sum`` or SDPA math's safe
+softmax, over the key axis (softmax.py);
 casts are autocast's; the fill of a ``masked_fill`` / ``where`` is ``-inf`` or ``finfo.min``;
 K/V may be grouped-query (``unsqueeze -> expand -> clone -> view``, what ``repeat_interleave``
 and HF's ``repeat_kv`` produce: :func:`gqa_base`). What the masks and bias terms are is
 masks.py's business.
 
-Anything that is not exactly attention (another reduction than softmax over the key axis, a
-dropout between softmax and the second matmul) does not match.
+Between the softmax and the second matmul the probabilities may pass through a dropout
+(:class:`Dropout`): ``P * (rand(P.shape) > p) * (1 / (1 - p))``, the form the decompositions of
+``F.dropout`` / ``nn.Dropout`` (``native_dropout``) give the joint graph; the draw is Inductor's
+``inductor_random`` once its joint passes ran. The fused kernel draws its own mask (see
+kernels/), so the pass erases the graph's draw with the site.
+
+A site that looks like attention -- a softmax over the key axis above the second matmul's first
+operand, or a ``Q·Kᵀ`` matmul above the softmax -- but is not exactly one (another op between
+them, a dropout whose mask is not a fresh draw or whose scale is not ``1 / (1 - p)``, a softmax
+over another axis) raises :class:`Skip` with the reason, which the pass records; scores it cannot
+read raise :class:`Unread`, recorded only at the pass's last stage (Inductor's clean-up between
+the stages may make them readable). Anything else does not match (``None``).
 """
 
 from __future__ import annotations
@@ -25,13 +36,20 @@ import torch
 import torch.fx as fx
 
 from ..fx_utils import CONVERT, VIEWS, is_call, shape, val
+from .softmax import softmax_input, softmax_of
 
 aten = torch.ops.aten
 _SKIPPED = (CONVERT,)  # what the walk from a matmul operand to Q / K / V steps through besides views
+_MULS, _DIVS = (aten.mul.Tensor, aten.mul.Scalar), (aten.div.Tensor, aten.div.Scalar)
 
 
 class Skip(Exception):
     """A match that is not fused; the message says why (recorded as a PASS_SKIPPED fallback)."""
+
+
+class Unread(Skip):
+    """Scores the matcher cannot read at this stage; Inductor's clean-up between the pass's
+    stages may make them readable (a ``scalar_tensor`` fill it folds), so only the last stage says why."""
 
 
 class MaskTerm(NamedTuple):
@@ -61,6 +79,16 @@ class Match:
     bias_terms: list[BiasTerm] = field(default_factory=list)
     masks: list[MaskTerm] = field(default_factory=list)
     dtype: Optional[torch.dtype] = None  # the dtype the matmuls run in (q / k / v are cast to it)
+    dropout: Optional["Dropout"] = None  # dropout on the probabilities (training)
+    zero_rows: bool = False  # a safe softmax (softmax.py): rows whose every score is -inf give 0
+
+
+class Dropout(NamedTuple):
+    """``P * keep * (1 / (1 - p))`` with ``keep = draw > p`` and ``draw`` uniform of ``P``'s shape."""
+
+    p: float
+    keep: fx.Node  # the boolean keep-mask (the backward reads it too)
+    draw: fx.Node  # the random draw; random ops survive dead-code elimination: the pass erases it
 
 
 def skip_views(n: Any, also: tuple = ()) -> Any:
@@ -97,35 +125,12 @@ def scalar(n: Any) -> Optional[float]:
     return None
 
 
-def _softmax_input(n: fx.Node) -> Optional[fx.Node]:
-    """``x`` if ``n`` is softmax(x) over the last axis (ATen or Inductor's decomposition)."""
-    if is_call(n, aten._softmax.default):
-        x, dim = n.args[0], n.args[1]
-        return x if dim in (-1, len(shape(x)) - 1) else None
-    if not is_call(n, aten.div.Tensor):
-        return None
-    e, s = n.args
-    if not (is_call(e, aten.exp.default) and is_call(s, aten.sum.dim_IntList) and s.args[0] is e):
-        return None
-    sub = e.args[0]
-    if not is_call(sub, aten.sub.Tensor):
-        return None
-    x, amax = sub.args
-    if not (is_call(amax, aten.amax.default) and amax.args[0] is x):
-        return None
-    nd = len(shape(x))
-    for r in (amax, s):
-        dims = list(r.args[1])
-        if dims not in ([-1], [nd - 1]) or not (len(r.args) > 2 and r.args[2]):
-            return None
-    return x
-
-
 def _strip_scale(n: Any, scale: float) -> tuple[Any, float]:
     """Step up through ``mul`` / ``div`` by constants (and casts / views), folding them into ``scale``."""
-    while is_call(n, aten.mul.Tensor, aten.div.Tensor) and scalar(n.args[1]) is not None:
+    # (SDPA's math path scales Q and Kᵀ by sqrt(scale) each, as mul.Scalar)
+    while is_call(n, *_MULS, *_DIVS) and scalar(n.args[1]) is not None:
         c = scalar(n.args[1])
-        scale = scale * c if n.target is aten.mul.Tensor else scale / c
+        scale = scale * c if n.target in _MULS else scale / c
         n = skip_views(n.args[0], also=_SKIPPED)
     return n, scale
 
@@ -224,16 +229,116 @@ def _peel_scores(x: fx.Node, masks: list[MaskTerm], bias: list[BiasTerm]
         return q, k, s * factor, three_d
 
 
-def match_at(bmm: fx.Node) -> Optional[Match]:
-    """A Match if ``bmm`` is the P·V product of an attention."""
-    p, vv = bmm.args
-    x = _softmax_input(skip_views(p, also=_SKIPPED))
-    if x is None:
+def _is_draw(n: Any) -> bool:
+    """``n`` draws uniform random numbers: ``aten.rand`` or Inductor's ``inductor_random(.., "rand")``."""
+    if is_call(n, aten.rand.default):
+        return True
+    return (isinstance(n, fx.Node) and n.op == "call_function" and str(n.target) == "prims.inductor_random.default"
+            and len(n.args) > 2 and n.args[2] == "rand")
+
+
+def _product(n: Any, depth: int = 0) -> tuple[float, list[Any]]:
+    """``n`` as ``constant * product of tensor factors``, through (up to three) ``mul`` nodes and
+    ``mul`` / ``div`` by constants."""
+    if depth < 3 and is_call(n, aten.mul.Tensor, aten.div.Tensor):
+        a, b = n.args
+        c = scalar(b)
+        if c is not None and c != 0:
+            f, factors = _product(a, depth + 1)
+            return (f * c if n.target is aten.mul.Tensor else f / c), factors
+        if n.target is aten.mul.Tensor and isinstance(a, fx.Node) and isinstance(b, fx.Node):
+            (fa, ta), (fb, tb) = _product(a, depth + 1), _product(b, depth + 1)
+            return fa * fb, ta + tb
+    return 1.0, [n]
+
+
+def _is_softmax(n: Any) -> bool:
+    return softmax_input(skip_views(n, also=_SKIPPED))[0] is not None
+
+
+def _dropout(n: fx.Node) -> Optional[tuple[fx.Node, Dropout]]:
+    """(P, its dropout) if ``n`` is a softmax's ``P * (draw > p) * (1 / (1 - p))``; None if ``n``
+    multiplies no softmax; Skip for any other product of the probabilities."""
+    factor, factors = _product(n)
+    probs = [f for f in factors if _is_softmax(f)]
+    if n is factors[0] or len(probs) != 1:
         return None
+    others = [f for f in factors if f is not probs[0]]
+    if not others:
+        raise Skip(f"the probabilities are scaled by {factor:g} before the P·V matmul")
+    keep = skip_views(others[0], also=_SKIPPED) if len(others) == 1 else None
+    if keep is None or not is_call(keep, aten.gt.Scalar) or not _is_draw(keep.args[0]):
+        raise Skip(f"the probabilities are multiplied by {', '.join(o.name for o in others)}, which is not a "
+                   "dropout's fresh random draw (rand(P.shape) > p)")
+    draw, p = keep.args[0], scalar(keep.args[1])
+    if shape(draw) != shape(n) or len(draw.users) != 1:
+        raise Skip(f"dropout draw {draw.name} is not one fresh draw per probability (shape {shape(draw)}, "
+                   f"{len(draw.users)} users)")
+    if p is None or not 0.0 < p < 1.0:
+        raise Skip(f"dropout keep-mask {keep.name} compares against {keep.args[1]}, not a probability in (0, 1)")
+    if abs(factor * (1.0 - p) - 1.0) > 1e-6:
+        raise Skip(f"dropout p={p:g} scaled by {factor:g}, not 1 / (1 - p) = {1.0 / (1.0 - p):g}")
+    return probs[0], Dropout(p, keep, draw)
+
+
+def _near(start: fx.Node, found: Any, depth: int = 6, same_shape: bool = False) -> Optional[fx.Node]:
+    """The first node within ``depth`` steps up from ``start`` for which ``found`` holds (through
+    any input, or with ``same_shape`` only through values of ``start``'s shape)."""
+    frontier, seen = [start], {start}
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                if found(a):
+                    return a
+                seen.add(a)
+                if not same_shape or shape(a) == shape(start):
+                    nxt.append(a)
+        frontier = nxt
+    return None
+
+
+def _between_skip(p: fx.Node) -> None:
+    """Skip if ``p`` (the P·V matmul's first operand, not a softmax) is a softmax over another
+    axis, or has a softmax over the key axis a few ops above it."""
+    soft = softmax_of(p)
+    if soft is not None:
+        raise Skip(f"softmax over axis {soft[1]}, not the key axis")
+    if _near(p, _is_softmax, depth=3, same_shape=True) is not None:
+        raise Skip(f"{p.target} ({p.name}) between the softmax and the P·V matmul is not a dropout the matcher takes")
+
+
+def _scores_skip(x: fx.Node) -> None:
+    """Skip if the softmax input ``x``, which the matcher could not read, comes from a matmul."""
+    if _near(x, lambda a: is_call(a, aten.bmm.default)) is None:
+        return
+    draw = _near(x, _is_draw, same_shape=True)  # a draw of the scores' shape, not one on the hidden states
+    if draw is not None:
+        raise Skip(f"a random draw ({draw.name}) on the scores before the softmax: dropout there is not attention "
+                   "dropout")
+    raise Unread("the scores reach the softmax through ops that are no scale, mask or bias the matcher takes")
+
+
+def match_at(bmm: fx.Node) -> Optional[Match]:
+    """A Match if ``bmm`` is the P·V product of an attention; None if it is no attention; Skip
+    (with the reason) if it looks like one but is not exactly one."""
+    p, vv = bmm.args
+    p = skip_views(p, also=_SKIPPED)
+    dropout = None
+    if not _is_softmax(p):
+        got = _dropout(p)
+        if got is None:
+            _between_skip(p)
+            return None
+        p, dropout = got
+    x, zero_rows = softmax_input(skip_views(p, also=_SKIPPED))
     masks: list[MaskTerm] = []
     bias: list[BiasTerm] = []
     got = _peel_scores(x, masks, bias)
     if got is None:
+        _scores_skip(x)
         return None
     q, k, scale, three_d = got
     v = skip_views(vv, also=_SKIPPED)
@@ -241,14 +346,14 @@ def match_at(bmm: fx.Node) -> Optional[Match]:
     if not three_d:
         users = list(bmm.users)
         if len(users) != 1 or not is_call(users[0], *VIEWS) or len(shape(users[0])) != 4:
-            return None
+            raise Skip(f"the P·V matmul {bmm.name} is not read as one 4-D view")
         out = users[0]
     if len(shape(v)) != (3 if three_d else 4):
-        return None
+        raise Skip(f"V is {len(shape(v))}-D, Q is {3 if three_d else 4}-D")
     if any(m.factor != 1.0 and m.fill != float("-inf") for m in masks):
-        return None  # a finite fill that was rescaled afterwards is no longer finfo.min
+        raise Skip("a finfo.min mask fill rescaled afterwards (no longer finfo.min)")
     return Match(out=out, q=q, k=k, v=v, scale=scale, three_d=three_d, bias_terms=bias, masks=masks,
-                 dtype=val(bmm).dtype)
+                 dtype=val(bmm).dtype, dropout=dropout, zero_rows=zero_rows)
 
 
 def gqa_base(n: fx.Node) -> tuple[fx.Node, int]:

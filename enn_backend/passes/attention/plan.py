@@ -20,7 +20,7 @@ from ...options import Options
 from ..fx_utils import shape, val
 from ..manager import current_module_state
 from .key_padding import KeyPadding, take
-from .kernels import Kernel, kernel_for
+from .kernels import EnnOpKernel, Kernel, kernel_for
 from .constants import Dims
 from .masks import Structure, classify
 from .provenance import tensor_provenance
@@ -92,11 +92,15 @@ def _problem(m: Match, k: fx.Node, v: fx.Node, st: Structure, bias_grad: bool, t
         heads_q=heads_q, heads_kv=heads_kv, causal=st.causal, window=st.window,
         has_mask=bool(st.keep), has_bias=st.has_bias or padding, bias_grad=bias_grad, alibi=st.alibi is not None,
         training=training, bias_finite=padding or st.bias_finite(), bias_may_saturate=st.bias_may_saturate(),
-        static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])), key_padding=padding)
+        static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])), key_padding=padding,
+        dropout=m.dropout.p if m.dropout is not None else 0.0)
 
 
-def _refusal(m: Match, st: Structure, backend: Backend, v: fx.Node) -> str:
+def _refusal(m: Match, st: Structure, backend: Backend, v: fx.Node, kernel: Kernel) -> str:
     """Why the chosen kernel cannot take this site ("" when it can)."""
+    if m.dropout is not None and kernel is EnnOpKernel and backend is not Backend.EXPLICIT:
+        return (f"attention dropout: {backend} would run inside enn::attention here, where only the explicit "
+                "math draws a dropout mask")
     if st.alibi is not None and st.alibi.positions != "exact" and backend is not Backend.FLEX:
         return (f"ALiBi positions rounded to {st.alibi.positions}: only FlexAttention reproduces them "
                 f"({backend} would add exact positions)")
@@ -120,23 +124,31 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
     tq, tk = shape(m.q)[-2], shape(k)[-2]
     dims = Dims(tq, tk, 1 if m.three_d else shape(m.q)[1])
     st = classify(m.masks, m.bias_terms, dims, current_module_state())
-    padding, padding_refused = take(st, m, dims, current_module_state())
+    if m.dropout is None:
+        padding, padding_refused = take(st, m, dims, current_module_state())
+    else:  # DeadRows' closed form is the uniform row without dropout: the mask stays a tensor
+        padding, padding_refused = None, ("attention dropout: eager drops keys of the rows that keep none too, "
+                                          "which the closed form of those rows does not")
     if st.causal and tq != tk:
         raise Skip("causal mask with Tq != Tk (SDPA's causal is top-left aligned)")
     terms = _terms(st)
     inputs = [m.q, k, v] + [t for t, _ in terms] + ([st.alibi.term] if st.alibi else [])
     regions = find_regions(graph, m.out, inputs)
     grads = regions.grads
+    if m.dropout is not None and any(u not in regions.forward and u not in regions.backward
+                                     for u in m.dropout.keep.users):
+        raise Skip(f"the dropout mask {m.dropout.keep.name} is also read outside the attention")
     if st.alibi is not None and len(inputs) - 1 in grads:
         raise Skip("ALiBi slopes that need a gradient")
     bias_grad = any(i >= 3 for i in grads)
     problem = _problem(m, k, v, st, bias_grad, bool(grads), padding is not None)
     choice = choose(problem, opts.attention_backend, opts.attention_order)
     bias_shape = _bias_shape(st, m.three_d)
-    refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, v)
+    kernel = kernel_for(choice.backend, problem, bias_shape[-1] if bias_shape else None)
+    refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, v, kernel)
     provenance = "; ".join(filter(None, (
         tensor_provenance(t, dims, shape(m.q)[0], current_module_state())
         for t in [b.node for b in st.bias] + [t.cond for t in st.keep + st.floors if t.keep_when_true])))
-    return Plan(m, k, v, rep, st, regions, bias_grad, terms, problem, choice,
-                kernel_for(choice.backend, problem, bias_shape[-1] if bias_shape else None),
-                "zero" if opts.masked_rows == "zero" else "eager", refusal, provenance, padding, padding_refused)
+    masked_rows = "zero" if opts.masked_rows == "zero" or m.zero_rows else "eager"
+    return Plan(m, k, v, rep, st, regions, bias_grad, terms, problem, choice, kernel, masked_rows, refusal, provenance,
+                padding, padding_refused)

@@ -50,6 +50,8 @@ def check_flex(p: AttentionProblem) -> tuple[bool, str]:
         return False, f"FlexAttention is used on CUDA (and CPU inference when asked for), device is {p.device}"
     if not p.static_shapes:
         return False, "flex's block mask is built for fixed sequence lengths (dynamic shapes here)"
+    if p.dropout:
+        return False, "FlexAttention has no dropout"
     if p.has_mask or p.has_bias:
         return False, "flex is used for structure only (causal / window / ALiBi slopes), not mask tensors"
     if not (p.window > 0 or p.alibi):

@@ -37,6 +37,11 @@ aten = torch.ops.aten
 def _cuda(p: AttentionProblem) -> tuple[bool, str]:
     if p.device != "cuda":
         return False, f"CUDA kernel, device is {p.device}"
+    if p.dropout and (p.has_mask or p.alibi or p.window > 0 or (p.has_bias and (p.bias_grad or not p.bias_finite))):
+        # Such a site runs inside enn::attention, whose CUDA backends recompute the forward in
+        # the backward: a second, different dropout draw.
+        return False, ("attention dropout goes to an SDPA kernel only as its ATen op (no mask tensor, window, "
+                       "ALiBi, or bias that may hold -inf or needs a gradient)")
     return True, ""
 
 
@@ -67,6 +72,9 @@ def check_cudnn(p: AttentionProblem) -> tuple[bool, str]:
         return False, f"cuDNN attention needs fp16/bf16, have {p.dtype}"
     if p.window > 0 or p.alibi:
         return False, "cuDNN (SDPA) has no sliding window or ALiBi"
+    if p.dropout:
+        return False, ("attention dropout: cuDNN's is wrong in cuDNN 9.11-9.13 (SDPA refuses it there); "
+                       "flash / memory-efficient take it")
     if p.has_mask or (p.has_bias and not p.key_padding):
         return False, ("enn runs cuDNN attention with no mask or bias tensor but a key-padding bias "
                        "(other biases go to memory-efficient)")
@@ -99,6 +107,8 @@ def check_math(p: AttentionProblem) -> tuple[bool, str]:
     ok, why = _cuda(p)
     if not ok:
         return ok, why
+    if p.dropout:
+        return False, "attention dropout: SDPA math runs inside enn::attention, whose backward would draw again"
     return True, "SDPA math on CUDA: any mask; quadratic memory"
 
 
@@ -109,6 +119,8 @@ def check_cpu_flash(p: AttentionProblem) -> tuple[bool, str]:
         return False, "CPU flash needs equal q/k and v head dims"
     if p.bias_grad:
         return False, "CPU flash backward gives no bias gradient"
+    if p.dropout:
+        return False, "ATen's CPU flash kernel has no dropout"
     return True, "ATen CPU flash kernel"
 
 
@@ -123,6 +135,7 @@ class Call(NamedTuple):
     bias: Optional[fx.Node]
     causal: bool
     scale: float
+    dropout: float  # dropout_p: the kernel draws its own mask (philox seed / offset saved for its backward)
     saved: list
     sizes: Callable[[], tuple[Any, Any]]  # (Tq, Tk), as ints or sym_size nodes
 
@@ -143,13 +156,13 @@ def _flash_bwd(c: Call) -> tuple[tuple, dict]:
     # cannot save a None output), and so does enn.
     tq, tk = c.sizes()
     out, lse, sv = c.saved[0], c.saved[1], c.saved
-    return (c.g, c.q, c.k, c.v, out, lse, None, None, tq, tk, 0.0, c.causal, sv[6], sv[7]), {"scale": c.scale}
+    return (c.g, c.q, c.k, c.v, out, lse, None, None, tq, tk, c.dropout, c.causal, sv[6], sv[7]), {"scale": c.scale}
 
 
 def _cudnn_bwd(c: Call) -> tuple[tuple, dict]:
     tq, tk = c.sizes()
     out, lse, sv = c.saved[0], c.saved[1], c.saved
-    return (c.g, c.q, c.k, c.v, out, lse, sv[6], sv[7], c.bias, None, None, tq, tk, 0.0, c.causal), {"scale": c.scale}
+    return (c.g, c.q, c.k, c.v, out, lse, sv[6], sv[7], c.bias, None, None, tq, tk, c.dropout, c.causal), {"scale": c.scale}
 
 
 # Backend -> its ATen ops. Not covered by a safe path: the CUDA forward kernels (flash / cuDNN
@@ -158,17 +171,17 @@ def _cudnn_bwd(c: Call) -> tuple[tuple, dict]:
 NATIVE: dict[Backend, NativeKernel] = {
     Backend.FLASH: NativeKernel(
         aten._scaled_dot_product_flash_attention.default, 8, aten._scaled_dot_product_flash_attention_backward.default,
-        False, lambda c: ((c.q, c.k, c.v, 0.0, c.causal, False), {"scale": c.scale}), _flash_bwd,
+        False, lambda c: ((c.q, c.k, c.v, c.dropout, c.causal, False), {"scale": c.scale}), _flash_bwd,
         ("aten._scaled_dot_product_flash_attention_backward.default",)),
     Backend.CUDNN: NativeKernel(
         aten._scaled_dot_product_cudnn_attention.default, 8, aten._scaled_dot_product_cudnn_attention_backward.default,
-        True, lambda c: ((c.q, c.k, c.v, c.bias, True, 0.0, c.causal, False), {"scale": c.scale}), _cudnn_bwd,
+        True, lambda c: ((c.q, c.k, c.v, c.bias, True, c.dropout, c.causal, False), {"scale": c.scale}), _cudnn_bwd,
         ("aten._scaled_dot_product_cudnn_attention_backward.default",)),
     Backend.EFFICIENT: NativeKernel(
         aten._scaled_dot_product_efficient_attention.default, 4,
         aten._scaled_dot_product_efficient_attention_backward.default, True,
-        lambda c: ((c.q, c.k, c.v, c.bias, True, 0.0, c.causal), {"scale": c.scale}),
-        lambda c: ((c.g, c.q, c.k, c.v, c.bias, c.saved[0], c.saved[1], c.saved[2], c.saved[3], 0.0,
+        lambda c: ((c.q, c.k, c.v, c.bias, True, c.dropout, c.causal), {"scale": c.scale}),
+        lambda c: ((c.g, c.q, c.k, c.v, c.bias, c.saved[0], c.saved[1], c.saved[2], c.saved[3], c.dropout,
                     [True, True, True, False], c.causal), {"scale": c.scale}),
         ("aten._scaled_dot_product_efficient_attention_backward.default",)),
     Backend.CPU_FLASH: NativeKernel(
@@ -219,6 +232,9 @@ class SdpaKernel:
         if plan.padding is not None:
             return "; emitted as the ATen kernel itself, with " + plan.padding.describe()
         why = "; emitted as the ATen kernel itself (no fully-masked row is possible)"
+        if plan.problem.dropout:
+            why += (f"; dropout_p={plan.problem.dropout:g} in the kernel, which draws its own mask "
+                    "(eager's values in distribution, not bitwise)")
         if plan.problem.bias_may_saturate and floors_saturated(plan.match.dtype):
             why += ("; finfo.min-sized bias values handed to the kernel as -2**100, so rows masked "
                     "whole stay uniform as in eager")
@@ -227,7 +243,7 @@ class SdpaKernel:
     def _call(self, g: Optional[fx.Node]) -> Call:
         em, q = self.em, self.ops.q
         return Call(g, q, self.k, self.v, self.bias, self.plan.structure.causal, float(self.plan.match.scale),
-                    self.saved, lambda: (em.size(q, 2), em.size(self.k, 2)))
+                    self.plan.problem.dropout, self.saved, lambda: (em.size(q, 2), em.size(self.k, 2)))
 
     def forward(self) -> fx.Node:
         args, kwargs = self.kernel.forward_args(self._call(None))
