@@ -1,0 +1,261 @@
+"""One guard for all ranks of a torch.distributed run: the same pins, the same path, no hang.
+
+Rules (every rank runs the same program: SPMD):
+
+- **Its own channel.** The guard talks over a gloo process group of its own (CPU tensors),
+  made at its first exchange, never over the model's group: its exchanges do not interleave
+  with DDP's or FSDP's collectives (NCCL included), and a rank that dies closes its sockets,
+  so its peers' exchange fails at once instead of waiting (otherwise: torch's default group
+  timeout bounds it).
+- **Compile.** Each guarded graph, once built, is agreed on by one exchange (:func:`agree_compile`):
+  every rank sends whether its compile raised (and what), the graph's code hash and its
+  pins. A compile that raised on any rank raises the same :class:`RanksError` on every rank.
+  A graph whose pins differ between ranks (their kernel state differs) is rebuilt with the
+  union of the pins. A unit that falls back to plain Inductor on one rank does so on every
+  rank. A rank whose error came out of an exchange does not exchange again for it.
+- **Run time: agreed calls.** Every call the guard can re-run (it holds the inputs: each
+  checked call, every call in ``exceptions`` mode) is agreed on by one all-gather of one int
+  per rank (:func:`gather_levels`): ok / NaN-Inf / raised. The check schedule depends only on
+  call counts, which are the same on every rank, and it changes only on a decision every rank
+  shares, so every rank meets the same agreed calls. The steady state adds one tiny
+  collective per checked call (every ``guard_every``-th call after the warm-up), none on the
+  others. Value checks are off under torch.distributed.
+- **One rank localizes.** On an agreed call where some rank faulted, the lowest such rank
+  (the leader) runs the fallback ladder alone (its trial recompiles issue no collective), then
+  broadcasts its decision (:func:`share`): the graph's code hash and its pins by node name,
+  fp32, eager, or the error it raised. Every other rank applies it: one rebuild with the same
+  pins (none when they already match), no localization, no repro. A rank that faulted too
+  answers this call with its eager reference; a rank that did not keeps its own result. An
+  error the leader raises is raised on every rank.
+- **Calls the guard cannot re-run** (unchecked: the compiled code freed the inputs) are not
+  agreed on: a kernel exception there is raised on that rank alone, as in one process, and
+  the check schedule stays as it is (a change on one rank would desynchronize the exchanges).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from .. import compat
+from ..report import FallbackKind, report
+from .calls import LADDER, EnnGuardError, distributed
+from .kernel_entry import graph_key
+
+
+class RanksError(EnnGuardError):
+    """Raised on every rank for a failure one rank met (compile error, leader's error)."""
+
+
+_group: dict[int, Any] = {}  # id(default group) -> the guard's gloo group
+_group_lock = threading.Lock()
+
+
+def rank() -> int:
+    return torch.distributed.get_rank()
+
+
+def group() -> Any:
+    """The guard's own gloo group (made by every rank at the same exchange: its first)."""
+    dist = torch.distributed
+    key = id(dist.group.WORLD)
+    with _group_lock:
+        if key not in _group:
+            _group[key] = dist.new_group(backend="gloo")
+        return _group[key]
+
+
+def gather_levels(level: int) -> list[int]:
+    """Every rank's ``level`` (0 ok, 1 NaN/Inf, 2 raised), in rank order: one all-gather of one int."""
+    dist = torch.distributed
+    out = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([level], dtype=torch.int32), group=group())
+    return [int(t.item()) for t in out]
+
+
+def _gather_json(obj: Any) -> list[Any]:
+    with compat.real_tensor_mode():  # (compiles run under a fake-tensor mode)
+        return _gather_json_real(obj)
+
+
+def _gather_json_real(obj: Any) -> list[Any]:
+    dist, g = torch.distributed, group()
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    n = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=g)
+    most = max(int(s.item()) for s in sizes)
+    padded = torch.zeros(most, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    got = [torch.zeros(most, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(got, padded, group=g)
+    return [json.loads(bytes(t[:int(s.item())].tolist())) for t, s in zip(got, sizes)]
+
+
+def share(leader: int, obj: Any = None) -> Any:
+    """``obj`` of rank ``leader`` on every rank (JSON over two broadcasts: its size, its bytes)."""
+    dist, g = torch.distributed, group()
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8) if rank() == leader else None
+    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(size, src=leader, group=g)
+    buf = data if data is not None else torch.zeros(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(buf, src=leader, group=g)
+    return json.loads(bytes(buf.tolist()))
+
+
+# ------------------------------------------------------------------ compile time
+_agreed = threading.local()  # .errors: exceptions that came out of an exchange (not exchanged again)
+
+
+def agreed(exc: BaseException | None) -> bool:
+    """Did ``exc`` (or an exception it wraps) come out of an exchange (every rank knows of it already)?"""
+    seen = getattr(_agreed, "errors", ())
+    while exc is not None:
+        if any(exc is e for e in seen):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _mark(exc: BaseException) -> BaseException:
+    _agreed.errors = [*getattr(_agreed, "errors", ())[-7:], exc]
+    return exc
+
+
+def agree_compile(what: str, exc: BaseException | None = None, key: str = "", pins: frozenset[str] = frozenset(),
+                  fp32: bool = False, plain: bool = False) -> tuple[frozenset[str], bool]:
+    """The compile-time exchange for ``what`` (a graph or unit): raises the same RanksError on
+    every rank if a compile raised on any, ``FellBack`` on every rank if one compiles the unit
+    with plain Inductor; else the union of the pins (and fp32) of the ranks with this code."""
+    mine = {"what": what, "error": f"{type(exc).__name__}: {exc}"[:2000] if exc is not None else None,
+            "key": key, "pins": sorted(pins), "fp32": fp32, "plain": plain}
+    every = _gather_json(mine)
+    failed = [(r, e) for r, e in enumerate(every) if e["error"] is not None]
+    if failed:
+        r, e = failed[0]
+        err = RanksError(f"enn: compiling {e['what']} raised on rank(s) {[r for r, _ in failed]} of "
+                         f"{len(every)}, so every rank stops here (rank {r}: {e['error']})")
+        raise _mark(err) from exc
+    if any(e["plain"] for e in every) and not plain:
+        raise _mark(FellBack(f"enn: {what}: another rank compiles this unit with plain Inductor, so this one does"))
+    same = [e for e in every if e["key"] == key]
+    return frozenset(n for e in same for n in e["pins"]), any(e["fp32"] for e in same)
+
+
+def compile_agreed(make: Callable[[], Any], what: str) -> tuple[Any, Any]:
+    """``make()`` (a GraphCompiler) and its first build, agreed on by every rank: a build
+    that raised on any rank raises on all; pins that other ranks' kernel state gives this
+    graph are added here too (one rebuild, reported)."""
+    if not distributed():
+        compiler = make()
+        return compiler, compiler.build()
+    try:
+        compiler = make()
+        compiled = compiler.build()
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it, then it is raised
+        if compat.is_dynamo_control_flow(exc) or agreed(exc):
+            raise
+        agree_compile(what, exc)
+        raise
+    pins, fp32 = agree_compile(compiler.record.id, key=graph_key(compiler.eager_gm), pins=compiler.pinned_names,
+                               fp32=bool(compiler.fp32))
+    extra = pins - compiler.pinned_names
+    if extra or fp32 != bool(compiler.fp32):
+        compiled = compiler.build(extra_pins=extra, fp32=fp32)
+        compiler.adopt(compiled, pins=extra, fp32=fp32)
+        report().add_fallback(FallbackKind.PINNED_FROM_STATE, node=",".join(sorted(extra)) or "<graph>",
+                              phase=compiler.phase, graph=compiler.record,
+                              reason="another rank's kernel state records faults for these kernels",
+                              action=f"rebuilt with the pins of every rank ({len(compiler.pinned_names)} op(s))"
+                                     f"{', fp32 compute' if fp32 else ''}, so that every rank runs the same graph")
+    return compiler, compiled
+
+
+def unit_failed(unit: str, exc: BaseException) -> None:
+    """A unit's compile raised out of enn (guard=strict): every rank raises the same RanksError."""
+    if distributed() and not agreed(exc):
+        agree_compile(unit, exc)
+
+
+def unit_fell_back(unit: str, exc: BaseException) -> None:
+    """A unit falls back to plain Inductor here: every other rank does too (at its next exchange)."""
+    if distributed() and not agreed(exc):
+        agree_compile(unit, plain=True)
+
+
+class FellBack(Exception):
+    """Another rank compiles this unit with plain Inductor: this rank does too."""
+
+
+# ------------------------------------------------------------------ run time
+class RankFollower:
+    """What :class:`~enn_backend.guard.runtime.GuardedGraph` does on an agreed call where some
+    rank faulted: the leader runs the ladder and shares its decision, the others apply it."""
+
+    def _across_ranks(self, levels: list[int], call: Any, exc: BaseException | None, bad: list, out: Any) -> Any:
+        leader = next(r for r, level in enumerate(levels) if level)
+        me = rank()
+        with LADDER:
+            if me != leader:
+                return self._follow(share(leader), leader, call, out, faulted=levels[me] > 0)
+            generation, seen = self.generation, len(report().fallbacks)
+            try:
+                result = self._on_fault("exception" if exc is not None else "nonfinite", call, exc=exc, bad=bad,
+                                        out=out)
+            except Exception as e:  # noqa: BLE001 - every rank raises what the leader raised
+                msg = (f"enn: graph {self.record.id} on rank {leader} of {len(levels)}: {type(e).__name__}: "
+                       f"{e}"[:4000] + " (raised on every rank)")
+                share(leader, {"error": msg})
+                raise RanksError(msg) from e
+            share(leader, self._decision(generation, seen))
+            return result
+
+    def _decision(self, generation: int, seen: int) -> dict[str, Any]:
+        """What the leader's ladder did to this graph: the graph's code hash and its whole pin set
+        (by node name, the same on every rank that compiled the same code), fp32, eager."""
+        c = self.compiler
+        mine = [f for f in report().fallbacks[seen:] if f.graph == self.record.id]
+        last = mine[-1] if mine else None
+        return {"error": None, "changed": self.generation != generation, "key": graph_key(c.eager_gm),
+                "pinned": sorted(c.pinned_names), "fp32": bool(c.fp32), "eager": self.record.path == "eager",
+                "kind": last.kind if last else FallbackKind.NONFINITE.value,
+                "node": last.node if last else "<graph>", "reason": last.reason if last else ""}
+
+    def _follow(self, d: dict[str, Any], leader: int, call: Any, out: Any, faulted: bool) -> Any:
+        """Apply the leader's decision ``d``: at most one rebuild, no localization, no repro."""
+        if d["error"] is not None:
+            raise RanksError(d["error"])
+        c, rec = self.compiler, self.record
+        if d["changed"]:
+            t0 = time.perf_counter()
+            if d["key"] != graph_key(c.eager_gm):
+                new, rec.path = c.eager_callable(), "eager"
+                c.adopt(new)
+                action = (f"this graph runs eagerly: its code differs from rank {leader}'s, so rank {leader}'s pins "
+                          "cannot be named here")
+            elif d["eager"]:
+                new, rec.path = c.eager_callable(), "eager"
+                c.adopt(new)
+                action = f"this graph runs eagerly, as on rank {leader} (no localization here)"
+            else:
+                extra, fp32 = frozenset(d["pinned"]) - c.pinned_names, d["fp32"]
+                new = c.build(extra_pins=extra, fp32=fp32) if extra or fp32 != c.fp32 else self.compiled
+                c.adopt(new, pins=extra, fp32=fp32)
+                rebuilt = "1 recompile" if new is not self.compiled else "no recompile (the pins were already here)"
+                action = (f"adopted rank {leader}'s decision: {len(c.pinned_names)} op(s) pinned"
+                          f"{', fp32 compute' if fp32 else ''}; {rebuilt} in {time.perf_counter() - t0:.1f}s, "
+                          "no localization on this rank")
+            self._adopt(new)
+            report().add_fallback(FallbackKind(d["kind"]), node=d["node"], phase=rec.phase, graph=rec,
+                                  reason=f"rank {leader}: {d['reason']}", action=action)
+        if not faulted:
+            return out  # this rank's own result was right
+        # this rank faulted too: its answer is its eager reference
+        ref, ref_exc = self._reference(call)
+        if ref_exc is not None:
+            raise ref_exc
+        return ref
