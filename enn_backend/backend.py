@@ -73,7 +73,7 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
                                   reason=str(exc), action=f"recompiling {unit} without enn pass {exc.pass_name!r}")
             opts = opts.replace(**{exc.option: False})
         except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
-            if opts.guard.raises or compat.is_dynamo_control_flow(exc):
+            if opts.guard.raises or compat.is_dynamo_control_flow(exc) or isinstance(exc, ranks.RanksError):
                 if not compat.is_dynamo_control_flow(exc):
                     ranks.unit_failed(unit, exc)
                 raise

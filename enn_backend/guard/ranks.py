@@ -6,18 +6,23 @@ Rules (every rank runs the same program: SPMD):
   made at its first exchange, never over the model's group: its exchanges do not interleave
   with DDP's or FSDP's collectives (NCCL included), and a rank that dies closes its sockets,
   so its peers' exchange fails at once instead of waiting (otherwise: torch's default group
-  timeout bounds it).
-- **Compile.** Each guarded graph, once built, is agreed on by one exchange (:func:`agree_compile`):
-  every rank sends whether its compile raised (and what), the graph's code hash and its
-  pins. A compile that raised on any rank raises the same :class:`RanksError` on every rank.
-  A graph whose pins differ between ranks (their kernel state differs) is rebuilt with the
-  union of the pins. A unit that falls back to plain Inductor on one rank does so on every
-  rank. A rank whose error came out of an exchange does not exchange again for it.
+  timeout bounds it). Every exchange opens with an all-gather of (kind of exchange, value):
+  ranks at different kinds of exchange (one compiles a graph another does not: Dynamo's cache
+  or options that differ per rank) raise the same RanksError rather than pair unlike collectives.
+- **Compile.** Each guarded graph is agreed on in two exchanges (:func:`compile_agreed`):
+  before its build, every rank sends the graph's code hash and its pins, and every rank
+  compiles with the union of the pins of the ranks with that code (their kernel state may
+  differ); after its build, whether it raised (and what). A compile that raised on any rank
+  raises the same :class:`RanksError` on every rank (in whichever of the two exchanges the
+  others are at), and so does any RanksError in a compile. A unit that falls back to plain
+  Inductor on one rank does so on every rank. A rank whose error came out of an exchange does
+  not exchange again for it. AOTAutograd cache hits are refused (enn_backend.aot_cache): a hit
+  is one rank's (its disk, its options) and would skip the exchanges the others make.
 - **Run time: agreed calls.** Every call the guard can re-run (it holds the inputs: each
-  checked call, every call in ``exceptions`` mode) is agreed on by one all-gather of one int
-  per rank (:func:`gather_levels`): ok / NaN-Inf / raised. The check schedule depends only on
-  call counts, which are the same on every rank, and it changes only on a decision every rank
-  shares, so every rank meets the same agreed calls. The steady state adds one tiny
+  checked call, every call in ``exceptions`` mode) is agreed on by one all-gather of two ints
+  per rank (:func:`gather_levels`: the header and ok / NaN-Inf / raised). The check schedule
+  depends only on call counts, which are the same on every rank, and it changes only on a
+  decision every rank shares, so every rank meets the same agreed calls. The steady state adds one tiny
   collective per checked call (every ``guard_every``-th call after the warm-up), none on the
   others. Value checks are off under torch.distributed.
 - **One rank localizes.** On an agreed call where some rank faulted, the lowest such rank
@@ -25,8 +30,9 @@ Rules (every rank runs the same program: SPMD):
   broadcasts its decision (:func:`share`): the graph's code hash and its pins by node name,
   fp32, eager, or the error it raised. Every other rank applies it: one rebuild with the same
   pins (none when they already match), no localization, no repro. A rank that faulted too
-  answers this call with its eager reference; a rank that did not keeps its own result. An
-  error the leader raises is raised on every rank.
+  answers this call with its eager reference (or its own result, if the infinities the leader
+  learned to be the model's own explain it); a rank that did not keeps its own result. An error
+  the leader raises is raised on every rank.
 - **Calls the guard cannot re-run** (unchecked: the compiled code freed the inputs) are not
   agreed on: a kernel exception there is raised on that rank alone, as in one process, and
   the check schedule stays as it is (a change on one rank would desynchronize the exchanges).
@@ -45,6 +51,7 @@ from .. import compat
 from ..report import FallbackKind, report
 from .calls import LADDER, EnnGuardError, distributed
 from .kernel_entry import graph_key
+from .screen import nonfinite_outputs
 
 
 class RanksError(EnnGuardError):
@@ -69,41 +76,51 @@ def group() -> Any:
         return _group[key]
 
 
-def gather_levels(level: int) -> list[int]:
-    """Every rank's ``level`` (0 ok, 1 NaN/Inf, 2 raised), in rank order: one all-gather of one int."""
+_COMPILE, _CALL, _DECISION = 1, 2, 3  # what an exchange is for: the first int of its header
+_NAMES = {_COMPILE: "compiles a graph", _CALL: "runs an agreed call", _DECISION: "shares a decision"}
+
+
+def _header(tag: int, value: int) -> list[int]:
+    """Every rank's ``value``, after checking that every rank is at the same kind of exchange:
+    every exchange starts with this all-gather of (tag, value), so ranks that diverged (one
+    compiles a graph that another does not: Dynamo's cache, options that differ per rank) raise
+    the same RanksError instead of pairing unlike collectives."""
     dist = torch.distributed
-    out = [torch.zeros(1, dtype=torch.int32) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, torch.tensor([level], dtype=torch.int32), group=group())
-    return [int(t.item()) for t in out]
+    got = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, torch.tensor([tag, value], dtype=torch.int64), group=group())
+    tags = [int(t[0]) for t in got]
+    if any(t != tag for t in tags):
+        raise _mark(RanksError(
+            "enn: the ranks' guards went out of step: " + "; ".join(f"rank {r} {_NAMES.get(t, t)}" for r, t in
+                                                                     enumerate(tags)) +
+            ". Every rank must compile the same graphs in the same order (the same enn options on every rank, "
+            "except fault_inject, and the same Dynamo recompilations)"))
+    return [int(t[1]) for t in got]
+
+
+def gather_levels(level: int) -> list[int]:
+    """Every rank's ``level`` (0 ok, 1 NaN/Inf, 2 raised), in rank order: one all-gather of 2 ints."""
+    return _header(_CALL, level)
 
 
 def _gather_json(obj: Any) -> list[Any]:
     with compat.real_tensor_mode():  # (compiles run under a fake-tensor mode)
-        return _gather_json_real(obj)
-
-
-def _gather_json_real(obj: Any) -> list[Any]:
-    dist, g = torch.distributed, group()
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    n = dist.get_world_size()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=g)
-    most = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(most, dtype=torch.uint8)
-    padded[:data.numel()] = data
-    got = [torch.zeros(most, dtype=torch.uint8) for _ in range(n)]
-    dist.all_gather(got, padded, group=g)
-    return [json.loads(bytes(t[:int(s.item())].tolist())) for t, s in zip(got, sizes)]
+        dist = torch.distributed
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        sizes = _header(_COMPILE, data.numel())
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        got = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in sizes]
+        dist.all_gather(got, padded, group=group())
+        return [json.loads(bytes(t[:n].tolist())) for t, n in zip(got, sizes)]
 
 
 def share(leader: int, obj: Any = None) -> Any:
-    """``obj`` of rank ``leader`` on every rank (JSON over two broadcasts: its size, its bytes)."""
-    dist, g = torch.distributed, group()
+    """``obj`` of rank ``leader`` on every rank (JSON: a header with its size, one broadcast)."""
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8) if rank() == leader else None
-    size = torch.tensor([data.numel() if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, src=leader, group=g)
-    buf = data if data is not None else torch.zeros(int(size.item()), dtype=torch.uint8)
-    dist.broadcast(buf, src=leader, group=g)
+    size = _header(_DECISION, data.numel() if data is not None else 0)[leader]
+    buf = data if data is not None else torch.zeros(size, dtype=torch.uint8)
+    torch.distributed.broadcast(buf, src=leader, group=group())
     return json.loads(bytes(buf.tolist()))
 
 
@@ -131,7 +148,8 @@ def agree_compile(what: str, exc: BaseException | None = None, key: str = "", pi
     """The compile-time exchange for ``what`` (a graph or unit): raises the same RanksError on
     every rank if a compile raised on any, ``FellBack`` on every rank if one compiles the unit
     with plain Inductor; else the union of the pins (and fp32) of the ranks with this code."""
-    mine = {"what": what, "error": f"{type(exc).__name__}: {exc}"[:2000] if exc is not None else None,
+    first = str(exc).strip().splitlines()[:1] if exc is not None else []
+    mine = {"what": what, "error": f"{type(exc).__name__}: {first[0] if first else ''}"[:500] if exc is not None else None,
             "key": key, "pins": sorted(pins), "fp32": fp32, "plain": plain}
     every = _gather_json(mine)
     failed = [(r, e) for r, e in enumerate(every) if e["error"] is not None]
@@ -147,31 +165,31 @@ def agree_compile(what: str, exc: BaseException | None = None, key: str = "", pi
 
 
 def compile_agreed(make: Callable[[], Any], what: str) -> tuple[Any, Any]:
-    """``make()`` (a GraphCompiler) and its first build, agreed on by every rank: a build
-    that raised on any rank raises on all; pins that other ranks' kernel state gives this
-    graph are added here too (one rebuild, reported)."""
+    """``make()`` (a GraphCompiler) and its build, agreed on by every rank in two exchanges:
+    before the build, the pins (the union of what every rank's kernel state gives this code);
+    after it, whether it raised (a build that raised on any rank raises on all)."""
     if not distributed():
         compiler = make()
         return compiler, compiler.build()
     try:
         compiler = make()
+        key = graph_key(compiler.eager_gm)
+        pins, fp32 = agree_compile(compiler.record.id, key=key, pins=compiler.pinned_names, fp32=bool(compiler.fp32))
+        extra = pins - compiler.pinned_names
+        if extra or fp32 != bool(compiler.fp32):
+            compiler.pinned_names, compiler.fp32 = compiler.pinned_names | extra, fp32
+            report().add_fallback(FallbackKind.PINNED_FROM_STATE, node=",".join(sorted(extra)) or "<graph>",
+                                  phase=compiler.phase, graph=compiler.record,
+                                  reason="another rank's kernel state records faults for these kernels",
+                                  action=f"compiled with the pins of every rank ({len(compiler.pinned_names)} op(s))"
+                                         f"{', fp32 compute' if fp32 else ''}, so that every rank runs the same graph")
         compiled = compiler.build()
     except Exception as exc:  # noqa: BLE001 - every rank hears of it, then it is raised
         if compat.is_dynamo_control_flow(exc) or agreed(exc):
             raise
-        agree_compile(what, exc)
+        agree_compile(what, exc)  # in place of the exchange the others are at: every rank raises there
         raise
-    pins, fp32 = agree_compile(compiler.record.id, key=graph_key(compiler.eager_gm), pins=compiler.pinned_names,
-                               fp32=bool(compiler.fp32))
-    extra = pins - compiler.pinned_names
-    if extra or fp32 != bool(compiler.fp32):
-        compiled = compiler.build(extra_pins=extra, fp32=fp32)
-        compiler.adopt(compiled, pins=extra, fp32=fp32)
-        report().add_fallback(FallbackKind.PINNED_FROM_STATE, node=",".join(sorted(extra)) or "<graph>",
-                              phase=compiler.phase, graph=compiler.record,
-                              reason="another rank's kernel state records faults for these kernels",
-                              action=f"rebuilt with the pins of every rank ({len(compiler.pinned_names)} op(s))"
-                                     f"{', fp32 compute' if fp32 else ''}, so that every rank runs the same graph")
+    agree_compile(compiler.record.id)
     return compiler, compiled
 
 
@@ -201,7 +219,7 @@ class RankFollower:
         me = rank()
         with LADDER:
             if me != leader:
-                return self._follow(share(leader), leader, call, out, faulted=levels[me] > 0)
+                return self._follow(share(leader), leader, call, out, exc if levels[me] else None)
             generation, seen = self.generation, len(report().fallbacks)
             try:
                 result = self._on_fault("exception" if exc is not None else "nonfinite", call, exc=exc, bad=bad,
@@ -221,15 +239,19 @@ class RankFollower:
         mine = [f for f in report().fallbacks[seen:] if f.graph == self.record.id]
         last = mine[-1] if mine else None
         return {"error": None, "changed": self.generation != generation, "key": graph_key(c.eager_gm),
+                "allowed": self.allowed,
                 "pinned": sorted(c.pinned_names), "fp32": bool(c.fp32), "eager": self.record.path == "eager",
                 "kind": last.kind if last else FallbackKind.NONFINITE.value,
                 "node": last.node if last else "<graph>", "reason": last.reason if last else ""}
 
-    def _follow(self, d: dict[str, Any], leader: int, call: Any, out: Any, faulted: bool) -> Any:
-        """Apply the leader's decision ``d``: at most one rebuild, no localization, no repro."""
+    def _follow(self, d: dict[str, Any], leader: int, call: Any, out: Any, exc: BaseException | None) -> Any:
+        """Apply the leader's decision ``d``: at most one rebuild, no localization, no repro.
+        ``out`` / ``exc``: this rank's result (``exc`` None on a rank that did not fault)."""
         if d["error"] is not None:
             raise RanksError(d["error"])
         c, rec = self.compiler, self.record
+        if d["key"] == graph_key(c.eager_gm):  # the infinities the leader found to be the model's own
+            self.allowed.update({int(i): v for i, v in d["allowed"].items()})
         if d["changed"]:
             t0 = time.perf_counter()
             if d["key"] != graph_key(c.eager_gm):
@@ -252,8 +274,8 @@ class RankFollower:
             self._adopt(new)
             report().add_fallback(FallbackKind(d["kind"]), node=d["node"], phase=rec.phase, graph=rec,
                                   reason=f"rank {leader}: {d['reason']}", action=action)
-        if not faulted:
-            return out  # this rank's own result was right
+        if exc is None and not nonfinite_outputs(out, self.allowed):
+            return out  # this rank's own result is right
         # this rank faulted too: its answer is its eager reference
         ref, ref_exc = self._reference(call)
         if ref_exc is not None:
