@@ -20,7 +20,7 @@ _spec = importlib.util.spec_from_file_location(
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
-TIMEOUT = 240  # seconds per launch; a hang is killed here and fails the test
+TIMEOUT = 300  # seconds per launch; a hang is killed here and fails the test
 ENN = {"localize_budget": 3}  # a short localization: this is about the ranks agreeing, not its precision
 
 
@@ -28,8 +28,8 @@ def _launch(wrapper: str, runs: tuple[str, ...]) -> list[dict]:
     t0 = time.monotonic()
     results = bench.launch(bench.train_job(wrapper, "tiny", 3, runs=runs, **ENN), world_size=2, backend="gloo",
                            device="cpu", timeout=TIMEOUT)
-    assert time.monotonic() - t0 < TIMEOUT, "the launch was killed at its timeout"
-    assert bench.check(results, tol=1e-5) == []
+    assert bench.check(results, tol=1e-5) == []  # (names a rank killed at the timeout)
+    assert time.monotonic() - t0 < TIMEOUT
     return results
 
 
