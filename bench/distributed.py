@@ -249,7 +249,8 @@ def check(results: list[dict[str, Any]], tol: float) -> list[str]:
         if run["pins"] and not any(run.get("pinned", {}).values()):
             bad.append(f"{name}: nothing pinned (the fault was not met?): {run.get('fallbacks')}")
         if bool(run.get("error")) != run["fails"] and not any("errors differ" in b for b in bad):
-            bad.append(f"{name}: " + (f"raised {run['error']}" if run.get("error") else "should have failed on every rank"))
+            bad.append(f"{name}: " + (f"raised {run['error']}" if run.get("error")
+                                      else "should have failed on every rank"))
         for r in results:
             d = r["runs"][name].get("max_diff")
             if d is not None and not d <= tol:
@@ -316,7 +317,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="training steps compared with eager")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     ap.add_argument("--timed", type=int, default=5, help="steps per backend per timing round")
-    ap.add_argument("--overhead-steps", type=int, default=25, help="steps before the overhead timing (past the warm-up)")
+    ap.add_argument("--overhead-steps", type=int, default=25,
+                    help="steps before the overhead timing (past the guard's warm-up of 20 calls)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per launch, then every rank is killed")
     ap.add_argument("--out", default="")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -338,7 +340,8 @@ def main() -> None:
         problems += [f"{wrapper}: {p}" for p in check(res, tol)]
         lines += train_rows(wrapper, res) + [f"| {wrapper} | (launch) | {time.monotonic() - t0:.0f} s wall | | | | |"]
     lines += ["", "Guard overhead, steady state (after the warm-up), median step time ± spread, rank 0:", "",
-              "| setting | enn guard=off | enn defaults | enn every call checked | defaults vs off |", "|---|---|---|---|---|"]
+              "| setting | enn guard=off | enn defaults | enn every call checked | defaults vs off |",
+              "|---|---|---|---|---|"]
     for wrapper, world in (("ddp", args.world_size), ("none", 1)):
         job = overhead_job(wrapper, args.size, args.overhead_steps, args.rounds, args.timed)
         res = launch(job, **{**launch_args, "world_size": world})

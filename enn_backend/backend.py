@@ -120,9 +120,10 @@ def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_spe
     """The ``inner_compile`` enn gives compile_fx: compile, then wrap in the guard."""
 
     def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
+        what = f"{unit} ({'backward' if kwargs.get('is_backward') else 'forward'})"
         compiler, compiled = ranks.compile_agreed(  # under torch.distributed, by every rank (guard.ranks)
             lambda: GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit, config_patches=config_patches,
-                                  fault_specs=fault_specs), f"{unit} ({'backward' if kwargs.get('is_backward') else 'forward'})")
+                                  fault_specs=fault_specs), what)
         log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
         returned = GuardedGraph(compiler, compiled, compiler.record) if opts.guard.guarded else compiled
         return offer(compiler, compiled, returned)

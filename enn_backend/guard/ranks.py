@@ -148,9 +148,11 @@ def agree_compile(what: str, exc: BaseException | None = None, key: str = "", pi
     """The compile-time exchange for ``what`` (a graph or unit): raises the same RanksError on
     every rank if a compile raised on any, ``FellBack`` on every rank if one compiles the unit
     with plain Inductor; else the union of the pins (and fp32) of the ranks with this code."""
-    first = str(exc).strip().splitlines()[:1] if exc is not None else []
-    mine = {"what": what, "error": f"{type(exc).__name__}: {first[0] if first else ''}"[:500] if exc is not None else None,
-            "key": key, "pins": sorted(pins), "fp32": fp32, "plain": plain}
+    error = None
+    if exc is not None:
+        first = str(exc).strip().splitlines()
+        error = f"{type(exc).__name__}: {first[0] if first else ''}"[:500]
+    mine = {"what": what, "error": error, "key": key, "pins": sorted(pins), "fp32": fp32, "plain": plain}
     every = _gather_json(mine)
     failed = [(r, e) for r, e in enumerate(every) if e["error"] is not None]
     if failed:

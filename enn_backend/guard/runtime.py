@@ -146,10 +146,11 @@ class GuardedGraph(RankFollower, FaultLadder):
             alone = distributed()
             if not alone:
                 self.since_build = 0
+            then = (" on this rank alone (the call was not agreed on by the ranks)" if alone
+                    else "; the following calls are checked (warm-up restarts)")
             report().add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=self.record.phase, graph=self.record,
-                                  reason=f"{type(exc).__name__}: {exc} on a call the guard did not check (inputs already freed)",
-                                  action="raised to the caller" + (" on this rank alone (the call was not agreed on)" if alone
-                                                                   else "; the following calls are checked (warm-up restarts)"))
+                                  reason=f"{type(exc).__name__}: {exc} on a call the guard did not check "
+                                         "(inputs already freed)", action="raised to the caller" + then)
             raise exc
         kind = "exception" if level == _EXCEPTION else "nonfinite"
         with LADDER:
