@@ -41,6 +41,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from enn_backend.bench.timing import speed_verdict, spread_pct
+
 HERE = os.path.abspath(__file__)
 FAULT = "aten.rsqrt:nan:fwd"  # RMSNorm's: in every decoder layer's forward graph, under DDP and FSDP2
 COMPILE_FAULT = "aten.rsqrt:nan:compile"  # an enn lowering raises while Inductor compiles
@@ -226,6 +228,15 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
     for name, info in result["runs"].items():
         if "eager" in params and name in params:
             info["max_diff"] = _max_diff(params[name], params["eager"])
+    if job.get("exchange") and world > 1:  # what one agreed call costs: the guard's exchange alone
+        from enn_backend.guard.ranks import gather_levels
+
+        times = []
+        for _ in range(220):
+            t0 = time.perf_counter()
+            gather_levels(0)
+            times.append(time.perf_counter() - t0)
+        result["exchange_s"] = times[20:]
     if wrapper != "none":
         dist.destroy_process_group()
     return result
@@ -276,13 +287,15 @@ def train_job(wrapper: str, size: str, steps: int, rounds: int = 0, timed: int =
 def overhead_job(wrapper: str, size: str, steps: int, rounds: int, timed: int) -> dict:
     variants = [variant("enn guard=off", guard="off"), variant("enn defaults"),
                 variant("enn every call", guard_every=1, guard_warmup=0)]
-    return {"wrapper": wrapper, "size": size, "steps": steps, "rounds": rounds, "timed": timed, "variants": variants}
+    return {"wrapper": wrapper, "size": size, "steps": steps, "rounds": rounds, "timed": timed, "variants": variants,
+            "exchange": True}
 
 
 def _ms(xs: list[float]) -> str:
-    from enn_backend.bench.timing import spread_pct
-
-    return f"{statistics.median(xs) * 1e3:.1f} ms ±{spread_pct(xs):.0f}%" if xs else "-"
+    if not xs:
+        return "-"
+    med = statistics.median(xs)
+    return f"{med * 1e3:.{1 if med >= 1e-3 else 3}f} ms ±{spread_pct(xs):.0f}%"
 
 
 def train_rows(wrapper: str, results: list[dict[str, Any]]) -> list[str]:
@@ -319,7 +332,8 @@ def main() -> None:
     ap.add_argument("--timed", type=int, default=5, help="steps per backend per timing round")
     ap.add_argument("--overhead-steps", type=int, default=25,
                     help="steps before the overhead timing (past the guard's warm-up of 20 calls)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per launch, then every rank is killed")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per launch, then every rank is killed")
+    ap.add_argument("--no-overhead", action="store_true", help="skip the guard-overhead launches")
     ap.add_argument("--out", default="")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -334,24 +348,36 @@ def main() -> None:
              "| wrapper | run | outcome | max abs diff vs eager (all ranks) | pinned | Dynamo graphs | step time |",
              "|---|---|---|---|---|---|---|"]
     problems: list[str] = []
+    verdicts: list[str] = []
     for wrapper in args.wrappers.split(","):
         t0 = time.monotonic()
         res = launch(train_job(wrapper, args.size, args.steps, args.rounds, args.timed), **launch_args)
         problems += [f"{wrapper}: {p}" for p in check(res, tol)]
         lines += train_rows(wrapper, res) + [f"| {wrapper} | (launch) | {time.monotonic() - t0:.0f} s wall | | | | |"]
-    lines += ["", "Guard overhead, steady state (after the warm-up), median step time ± spread, rank 0:", "",
-              "| setting | enn guard=off | enn defaults | enn every call checked | defaults vs off |",
-              "|---|---|---|---|---|"]
-    for wrapper, world in (("ddp", args.world_size), ("none", 1)):
+        runs0 = res[0].get("runs", {})
+        if runs0.get("inductor", {}).get("round_s") and runs0.get("enn", {}).get("round_s"):
+            verdict = speed_verdict(runs0["inductor"]["round_s"], runs0["enn"]["round_s"], "inductor", "enn")
+            verdicts.append(f"{wrapper}, rank 0: {verdict}")
+    lines += [""] + verdicts
+    if not args.no_overhead:
+        lines += ["", "Guard overhead, steady state (after the warm-up), median step time ± spread, rank 0:", "",
+                  "| setting | enn guard=off | enn defaults | enn every call checked | defaults vs off |",
+                  "|---|---|---|---|---|"]
+    exchange: list[float] = []
+    for wrapper, world in () if args.no_overhead else (("ddp", args.world_size), ("none", 1)):
         job = overhead_job(wrapper, args.size, args.overhead_steps, args.rounds, args.timed)
         res = launch(job, **{**launch_args, "world_size": world})
         problems += [f"overhead {wrapper}: {p}" for p in check(res, tol)]
         runs = res[0].get("runs", {})
+        exchange += res[0].get("exchange_s", [])
         med = {k: statistics.median(v["round_s"]) for k, v in runs.items() if v.get("round_s")}
         ratio = med["enn defaults"] / med["enn guard=off"] if len(med) == 3 else float("nan")
         label = f"DDP, {world} ranks" if wrapper == "ddp" else "one process"
         lines.append(f"| {label} | " + " | ".join(_ms(runs.get(k, {}).get("round_s", [])) for k in
                      ("enn guard=off", "enn defaults", "enn every call")) + f" | {ratio:.3f}x |")
+    if exchange:
+        lines += ["", f"One agreed call's exchange alone (an all-gather of two ints over the guard's gloo group), "
+                      f"{len(exchange)} calls: {_ms(exchange)} per call, rank 0"]
     if problems:
         lines += ["", "Problems:", ""] + [f"- {p}" for p in problems]
     text = "\n".join(lines)
