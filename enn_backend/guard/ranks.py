@@ -40,6 +40,7 @@ Rules (every rank runs the same program: SPMD):
 
 from __future__ import annotations
 
+import collections
 import json
 import threading
 import time
@@ -60,6 +61,12 @@ class RanksError(EnnGuardError):
 
 _group: dict[int, Any] = {}  # id(default group) -> the guard's gloo group
 _group_lock = threading.Lock()
+# The tensors of the last exchanges, referenced from Python a while longer. Gloo's worker thread
+# drops its own references to a collective's tensors after the call has returned, while it holds
+# its queue's lock; were that the last reference, freeing the tensor's Python object would need
+# the GIL, which this thread holds while it waits for that lock at its next collective: a
+# deadlock (met under load). Held here, the worker's reference is never the last.
+_held: collections.deque = collections.deque(maxlen=16)
 
 
 def rank() -> int:
@@ -87,7 +94,9 @@ def _header(tag: int, value: int) -> list[int]:
     the same RanksError instead of pairing unlike collectives."""
     dist = torch.distributed
     got = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(got, torch.tensor([tag, value], dtype=torch.int64), group=group())
+    mine = torch.tensor([tag, value], dtype=torch.int64)
+    _held.append((got, mine))
+    dist.all_gather(got, mine, group=group())
     tags = [int(t[0]) for t in got]
     if any(t != tag for t in tags):
         raise _mark(RanksError(
@@ -106,20 +115,26 @@ def gather_levels(level: int) -> list[int]:
 def _gather_json(obj: Any) -> list[Any]:
     with compat.real_tensor_mode():  # (compiles run under a fake-tensor mode)
         dist = torch.distributed
-        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        data = _encode(obj)
         sizes = _header(_COMPILE, data.numel())
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[:data.numel()] = data
         got = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in sizes]
+        _held.append((got, padded))
         dist.all_gather(got, padded, group=group())
         return [json.loads(bytes(t[:n].tolist())) for t, n in zip(got, sizes)]
 
 
+def _encode(obj: Any) -> torch.Tensor:
+    return torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)  # (owns its memory)
+
+
 def share(leader: int, obj: Any = None) -> Any:
     """``obj`` of rank ``leader`` on every rank (JSON: a header with its size, one broadcast)."""
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8) if rank() == leader else None
+    data = _encode(obj) if rank() == leader else None
     size = _header(_DECISION, data.numel() if data is not None else 0)[leader]
     buf = data if data is not None else torch.zeros(size, dtype=torch.uint8)
+    _held.append(buf)
     torch.distributed.broadcast(buf, src=leader, group=group())
     return json.loads(bytes(buf.tolist()))
 
