@@ -61,12 +61,19 @@ class RanksError(EnnGuardError):
 
 _group: dict[int, Any] = {}  # id(default group) -> the guard's gloo group
 _group_lock = threading.Lock()
-# The tensors of the last exchanges, referenced from Python a while longer. Gloo's worker thread
-# drops its own references to a collective's tensors after the call has returned, while it holds
-# its queue's lock; were that the last reference, freeing the tensor's Python object would need
-# the GIL, which this thread holds while it waits for that lock at its next collective: a
-# deadlock (met under load). Held here, the worker's reference is never the last.
+# The last exchanges' work handles and tensors, referenced from Python a while longer. Gloo's
+# worker thread drops its own reference to a collective's work after the call has returned,
+# while it holds its queue's lock; were that the last reference, freeing the work's Python
+# object would need the GIL, which this thread holds while it waits for that lock at its next
+# collective: a deadlock (met under load, torch 2.13). Held here, the worker's is never the last.
 _held: collections.deque = collections.deque(maxlen=16)
+
+
+def _run(collective: Callable[..., Any], *args: Any) -> None:
+    """``collective(*args)`` on the guard's group, waited for, its handle and tensors held (see _held)."""
+    work = collective(*args, group=group(), async_op=True)
+    _held.append((work, args))
+    work.wait()
 
 
 def rank() -> int:
@@ -94,9 +101,7 @@ def _header(tag: int, value: int) -> list[int]:
     the same RanksError instead of pairing unlike collectives."""
     dist = torch.distributed
     got = [torch.zeros(2, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    mine = torch.tensor([tag, value], dtype=torch.int64)
-    _held.append((got, mine))
-    dist.all_gather(got, mine, group=group())
+    _run(dist.all_gather, got, torch.tensor([tag, value], dtype=torch.int64))
     tags = [int(t[0]) for t in got]
     if any(t != tag for t in tags):
         raise _mark(RanksError(
@@ -120,8 +125,7 @@ def _gather_json(obj: Any) -> list[Any]:
         padded = torch.zeros(max(sizes), dtype=torch.uint8)
         padded[:data.numel()] = data
         got = [torch.zeros(max(sizes), dtype=torch.uint8) for _ in sizes]
-        _held.append((got, padded))
-        dist.all_gather(got, padded, group=group())
+        _run(dist.all_gather, got, padded)
         return [json.loads(bytes(t[:n].tolist())) for t, n in zip(got, sizes)]
 
 
@@ -134,8 +138,7 @@ def share(leader: int, obj: Any = None) -> Any:
     data = _encode(obj) if rank() == leader else None
     size = _header(_DECISION, data.numel() if data is not None else 0)[leader]
     buf = data if data is not None else torch.zeros(size, dtype=torch.uint8)
-    _held.append(buf)
-    torch.distributed.broadcast(buf, src=leader, group=group())
+    _run(torch.distributed.broadcast, buf, leader)
     return json.loads(bytes(buf.tolist()))
 
 
