@@ -32,6 +32,7 @@ import argparse
 import copy
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -385,7 +386,7 @@ def main() -> None:
     if args.out:
         from enn_backend.report import atomic_write_text
 
-        cmd = "python bench/distributed.py " + " ".join(sys.argv[1:])
+        cmd = "python bench/distributed.py " + shlex.join(sys.argv[1:])
         atomic_write_text(args.out, f"`{cmd}`\n\n{text}\n")
     sys.exit(1 if problems else 0)
 
