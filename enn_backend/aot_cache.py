@@ -49,6 +49,7 @@ from .debug.log import log_compiled_graph
 from .graph_compiler import GraphCompiler
 from .guard import graph_edit as E
 from .guard.kernel_entry import graph_key, node_key
+from .guard.calls import distributed
 from .guard.kernel_state import state_for
 from .guard.runtime import GuardedGraph
 from .options import Options
@@ -192,6 +193,8 @@ class WarmStart:
             why = "no enn sidecar for the cached graph"
         elif self.opts.fault_inject:
             why = "fault injection is on (faults are planted at compile time)"
+        elif distributed():  # a hit is per rank (its disk, its options): the ranks' guards must compile alike
+            why = "torch.distributed runs (see enn_backend.guard.ranks)"
         else:
             state = state_for(self.opts)
             entries = [state.lookup(k) for k in meta["node_keys"]]

@@ -30,6 +30,7 @@ from .aot_cache import WarmStart, content_digest, offer
 from .debug.log import log_compiled_graph
 from .decompositions import decomposition_table
 from .graph_compiler import GraphCompiler
+from .guard import ranks
 from .guard.calls import flat_args
 from .guard.faults import parse_fault_spec
 from .guard.dynamo_reference import DynamoReference
@@ -84,16 +85,20 @@ def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Cal
             if opts.guard.raises or compat.is_dynamo_control_flow(exc.cause):
                 if compat.is_dynamo_control_flow(exc.cause):
                     raise exc.cause from None
+                ranks.unit_failed(unit, exc)
                 raise
             report().add_fallback(FallbackKind.COMPILE_ERROR, node="<pass>", phase="compile", graph=unit,
                                   reason=str(exc), action=f"recompiling {unit} without enn pass {exc.pass_name!r}")
             opts = opts.replace(**{exc.option: False})
         except Exception as exc:  # noqa: BLE001 - the ladder catches every compile failure
-            if opts.guard.raises or compat.is_dynamo_control_flow(exc):
+            if opts.guard.raises or compat.is_dynamo_control_flow(exc) or isinstance(exc, ranks.RanksError):
+                if not compat.is_dynamo_control_flow(exc):
+                    ranks.unit_failed(unit, exc)
                 raise
             report().add_fallback(FallbackKind.COMPILE_ERROR, node="<graph>", phase="compile", graph=unit,
                                   reason=f"{type(exc).__name__}: {str(exc).strip()[:300]}",
                                   action=f"compiling {unit} with plain Inductor")
+            ranks.unit_fell_back(unit, exc)
             return _plain_inductor_or_eager(pristine, example_inputs, opts, unit)
 
 
@@ -134,9 +139,10 @@ def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_spe
     """The ``inner_compile`` enn gives compile_fx: compile, then wrap in the guard."""
 
     def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
-        compiler = GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit,
-                                 config_patches=config_patches, fault_specs=fault_specs)
-        compiled = compiler.build()
+        what = f"{unit} ({'backward' if kwargs.get('is_backward') else 'forward'})"
+        compiler, compiled = ranks.compile_agreed(  # under torch.distributed, by every rank (guard.ranks)
+            lambda: GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit, config_patches=config_patches,
+                                  fault_specs=fault_specs), what)
         log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
         returned = GuardedGraph(compiler, compiled, compiler.record) if opts.guard.guarded else compiled
         return offer(compiler, compiled, returned)

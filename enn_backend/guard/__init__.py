@@ -8,8 +8,9 @@ fast path -> exception or NaN/Inf? -> re-run the graph's eager copy on the same 
                          result, blame nothing
 
 Modules: ``runtime`` (GuardedGraph, the callable Inductor's output is wrapped in: the fast
-path), ``ladder`` (its fallback ladder), ``calls`` (what it holds of a call; ranks' agreement;
-EnnGuardError), ``screen`` (NaN/Inf and value screens), ``localize`` (bisection), ``graph_edit``
-(pin / plant / promote rewrites), ``kernel_entry`` (kernel keys, one record) and ``kernel_state``
-(the records, persisted as JSON), ``faults`` (what ENN_FAULT_INJECT planted).
+path), ``ladder`` (its fallback ladder), ``ranks`` (one guard for all ranks of a distributed
+run), ``calls`` (what it holds of a call; EnnGuardError), ``screen`` (NaN/Inf and value
+screens), ``localize`` (bisection), ``graph_edit`` (pin / plant / promote rewrites),
+``kernel_entry`` (kernel keys, one record) and ``kernel_state`` (the records, persisted as
+JSON), ``faults`` (what ENN_FAULT_INJECT planted).
 """

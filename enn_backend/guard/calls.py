@@ -1,8 +1,8 @@
-"""What the guard holds of one call, and what every rank of a distributed run agrees on.
+"""What the guard holds of one call.
 
 :class:`Call` (a call's inputs, the copies of those it may write into, its RNG state),
-:data:`LADDER` (one fallback ladder at a time in a process), the agreement of ranks under
-torch.distributed, and :class:`EnnGuardError` (what ``guard="strict"`` raises).
+:data:`LADDER` (one fallback ladder at a time in a process), whether torch.distributed runs
+(the ranks' agreement itself: :mod:`.ranks`), and :class:`EnnGuardError` (what ``guard="strict"`` raises).
 """
 
 from __future__ import annotations
@@ -25,25 +25,6 @@ def flat_args(args: tuple) -> tuple[list, bool]:
 
 class EnnGuardError(RuntimeError):
     """Raised in ``guard="strict"`` mode instead of falling back."""
-
-
-def agree_level(level: int) -> int:
-    """Under torch.distributed, the max of ``level`` over all ranks, so that every rank
-    takes the same branch of the ladder (and runs the same collectives in it)."""
-    dist = torch.distributed
-    if not distributed():
-        return level
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([level], device=device, dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
-def agree(flag: bool) -> bool:
-    """Under torch.distributed, the OR of ``flag`` over all ranks."""
-    return bool(agree_level(int(flag)))
 
 
 def distributed() -> bool:

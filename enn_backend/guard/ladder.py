@@ -5,6 +5,8 @@ Re-run the eager reference on the call's inputs, then: eager fails too -> the mo
 error, raised; NaN/Inf at eager's places -> the model's own values (or, in low precision, an
 fp32 retry that pins the graph to fp32); otherwise a kernel fault -> localize the culprit
 node(s) with trial recompiles, pin them to eager, adopt the new fast path, write a repro.
+The ladder issues no collective: under torch.distributed one rank runs it and the others adopt
+its decision (:mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from .. import blame
 from ..report import FallbackKind, report
 from . import graph_edit as E
-from .calls import LADDER, Call, EnnGuardError, RngSnapshot, agree, distributed, no_autocast
+from .calls import LADDER, Call, EnnGuardError, RngSnapshot, no_autocast
 from .kernel_entry import graph_key, node_key
 from .localize import CONFIRM_RUNS, Localization, localize, suspects_from_traceback
 from .screen import allowance, compiled_is_worse, divergent, diverging, nonfinite_inputs, nonfinite_outputs, outputs
@@ -133,8 +135,6 @@ class FaultLadder:
         bad = bad or []
         if exc is not None:
             what = f"{type(exc).__name__}: {exc}"
-        elif bad == [-1]:
-            what = f"another rank's compiled graph {'raised' if kind == 'exception' else 'gave NaN/Inf'} (decision shared by all ranks)"
         else:
             what = "NaN/Inf in compiled output"
         self._full_compiler(what)
@@ -149,10 +149,7 @@ class FaultLadder:
         # Outputs whose NaN/Inf the reference makes at the same places, with the same finite
         # values elsewhere, are the model's own values; any other is the compiled code's fault.
         pattern, values = divergent(outputs(out), ref, [i for i in bad if i >= 0]) if exc is None else ([], [])
-        kernel = kind == "exception" or bad == [-1] or bool(pattern)
-        if distributed():
-            kernel = agree(kernel)
-        if kernel:
+        if kind == "exception" or pattern:
             self._count_fault()
             return self._kernel_fault(kind, what, call, exc, ref, pattern or bad)
         return self._reference_nonfinite(what, call, out, ref, bad, values)
@@ -197,7 +194,7 @@ class FaultLadder:
             except torch.OutOfMemoryError:
                 raise
             except Exception:  # noqa: BLE001
-                return agree(True)
+                return True
             # a trial is judged against the reference: NaN/Inf it makes where eager does not, or
             # for a value fault, any value off eager's
             flat = outputs(out)
@@ -205,8 +202,6 @@ class FaultLadder:
                 faulty = bool(diverging(list(flat)[:len(ref)], ref, bool(self.low_precision), self.compiler.bookkeeping))
             else:
                 faulty = kind == "nonfinite" and bool(divergent(flat, ref, nonfinite_outputs(flat))[0])
-            if distributed():
-                faulty = agree(faulty)
             if not faulty:
                 trial_cache[pins] = compiled
             return faulty
@@ -302,7 +297,7 @@ class FaultLadder:
         why = ""
         if exc is not None:
             first, why = suspects_from_traceback(exc, gm), "that the raising kernel computes"
-        elif bad and bad != [-1]:
+        elif bad:
             outs = E.output_nodes(gm)
             bad_cone = E.ancestors(gm, [outs[i] for i in bad if i < len(outs)])
             good_cone = E.ancestors(gm, [o for i, o in enumerate(outs) if i not in bad])
@@ -361,10 +356,7 @@ class FaultLadder:
         rec, phase, R = self.record, self.record.phase, report()
         self._restore(call)
         out32, exc32 = self._run_eager(self.compiler.fp32_gm(), call.inputs)
-        ok = exc32 is None and not (set(nonfinite_outputs(out32)) & set(bad))
-        if distributed():
-            ok = not agree(not ok)
-        if not ok:
+        if exc32 is not None or set(nonfinite_outputs(out32)) & set(bad):
             return None
         if self.mode.raises:
             raise EnnGuardError(

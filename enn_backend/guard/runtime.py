@@ -5,6 +5,7 @@ saved tensors + tangents), and it returns the graph's outputs. On the fast path 
 adds one NaN/Inf screen of the outputs (one host sync) and, for graphs that write
 into their inputs, a copy of those inputs so a re-run never applies a mutation twice.
 A call that faults goes down the fallback ladder (:mod:`.ladder`, GuardedGraph's base class).
+Under torch.distributed the calls it can re-run are agreed on by every rank (:mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import torch
 
 from .. import compat
 from ..report import FallbackKind, GraphRecord, report
-from .calls import LADDER, Call, RngSnapshot, agree_level, distributed
+from .calls import LADDER, Call, RngSnapshot, distributed
 from .ladder import FaultLadder
+from .ranks import RankFollower, gather_levels
 from .screen import LateScreen, nonfinite_outputs, single_cuda_device
 
 log = logging.getLogger(__name__)
@@ -25,8 +27,9 @@ log = logging.getLogger(__name__)
 _OK, _NONFINITE, _EXCEPTION = 0, 1, 2
 
 
-class GuardedGraph(FaultLadder):
-    """Fast path (here) + the fallback ladder (FaultLadder) for one compiled graph (see enn_backend.guard)."""
+class GuardedGraph(RankFollower, FaultLadder):
+    """Fast path (here) + the fallback ladder (FaultLadder) for one compiled graph (see enn_backend.guard);
+    under torch.distributed, the ranks' agreement (RankFollower)."""
 
     def __init__(self, compiler: "Any", compiled: Callable[[list], Any], record: GraphRecord) -> None:
         self.compiler = compiler  # enn_backend.graph_compiler.GraphCompiler
@@ -39,8 +42,10 @@ class GuardedGraph(FaultLadder):
         self.checks_outputs = self.mode.checks_outputs
         # value checks: every checked call in "values" mode, else the first call of each
         # artifact and every `guard_values`-th call; never where random draws differ by design
-        self.value_every = self.opts.guard_values if self.mode.checks_outputs and not compiler.random else 0
-        self.values_always = self.mode.checks_every_value and not compiler.random
+        # never under torch.distributed: a rank's value check would not be agreed on (see .ranks)
+        values = self.mode.checks_outputs and not compiler.random and not distributed()
+        self.value_every = self.opts.guard_values if values else 0
+        self.values_always = self.mode.checks_every_value and values
         # a graph loaded from AOTAutograd's cache was checked when it was compiled; checking its
         # first call again would trace it again, which a warm start exists to avoid
         self.first_call_values = not compiler.from_cache
@@ -92,7 +97,7 @@ class GuardedGraph(FaultLadder):
                 raise  # not a kernel fault: eager would need the same memory
             except Exception as e:  # noqa: BLE001 - any kernel failure enters the ladder
                 exc = e
-            if exc is None and not distributed():
+            if exc is None:
                 if later:
                     self._screen_later(out)
                 return out
@@ -119,34 +124,37 @@ class GuardedGraph(FaultLadder):
         return self._after(out, exc, call, check, values)
 
     def _after(self, out: Any, exc: BaseException | None, call: Call, check: bool, values: bool = False) -> Any:
-        """The rest of a call that raised, is checked, or runs under torch.distributed."""
+        """The rest of a call that raised, is checked, or (holding its inputs) runs under torch.distributed."""
         bad = nonfinite_outputs(out, self.allowed) if (exc is None and check) else []
         if values and exc is None and not bad and not distributed():
             return self._check_values(out, call)
         if exc is None and check and not self.screen_later and compat.is_cuda_available():
             self.screen_later = single_cuda_device(out)
         level = _EXCEPTION if exc is not None else (_NONFINITE if bad else _OK)
-        if distributed():
-            agreed = agree_level(level)
-            if agreed > level:
-                bad = [-1]  # another rank faulted: every rank takes the same path
-            level = agreed
+        if call.inputs is not None and distributed():  # an agreed call: every rank meets it (see .ranks)
+            levels = gather_levels(level)
+            return self._across_ranks(levels, call, exc, bad, out) if any(levels) else out
         if level == _OK:
             return out
         if call.inputs is None:
             # An unchecked call raised. Its inputs are gone -- the compiled code frees each one
             # when it is dead, and holding them on every call would keep a backward graph's
             # saved activations alive to its end (measured: +60% peak on an MLP) -- so the
-            # ladder cannot re-run it. Recorded, re-raised; every call is checked from now on.
-            self.since_build = 0
-            what = f"{type(exc).__name__}: {exc}" if exc is not None else "another rank's compiled graph raised"
+            # ladder cannot re-run it. Recorded, re-raised; every call is checked from now on,
+            # except under torch.distributed, where only a decision all ranks share changes the
+            # check schedule (this call was this rank's alone: see .ranks).
+            alone = distributed()
+            if not alone:
+                self.since_build = 0
+            then = (" on this rank alone (the call was not agreed on by the ranks)" if alone
+                    else "; the following calls are checked (warm-up restarts)")
             report().add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=self.record.phase, graph=self.record,
-                                  reason=f"{what} on a call the guard did not check (inputs already freed)",
-                                  action="raised to the caller; the following calls are checked (warm-up restarts)")
-            raise exc if exc is not None else RuntimeError("enn: another rank's compiled graph failed on an unchecked call")
+                                  reason=f"{type(exc).__name__}: {exc} on a call the guard did not check "
+                                         "(inputs already freed)", action="raised to the caller" + then)
+            raise exc
         kind = "exception" if level == _EXCEPTION else "nonfinite"
         with LADDER:
-            if call.generation != self.generation and not distributed():
+            if call.generation != self.generation:
                 # another thread's ladder changed the fast path while this call ran on the old one
                 retried = self._retry(call, check)
                 if retried is not None:
