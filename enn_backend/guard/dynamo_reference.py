@@ -42,7 +42,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..report import FallbackKind, report
-from .calls import LADDER, EnnGuardError, RngSnapshot, agree, distributed, flat_args
+from .calls import LADDER, EnnGuardError, RngSnapshot, distributed, flat_args
 from .graph_edit import LOW_PRECISION, retarget_dtypes
 from .screen import compiled_is_worse, diverging, outputs
 
@@ -88,7 +88,8 @@ class DynamoReference:
 
     @classmethod
     def wrap(cls, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str) -> Callable[..., Any]:
-        """``compiled`` behind this check where the guard compares values at all."""
+        """``compiled`` behind this check where the guard compares values at all (not under
+        torch.distributed, where ranks must run the same graphs: checked per call)."""
         checks = opts.guard.checks_outputs and (opts.guard_values > 0 or opts.guard.checks_every_value)
         return cls(compiled, gm, opts, unit) if checks else compiled
 
@@ -105,7 +106,7 @@ class DynamoReference:
                 flat.clear()  # the boxed convention: the callee owns (and frees) the argument list
             return out
         self.calls += 1
-        if not (self.on and self._sampled()):
+        if not (self.on and self._sampled()) or distributed():  # off there, as the guard's value checks
             return self.compiled(*args)
         return self._check(args, list(flat_args(args)[0]))
 
@@ -156,8 +157,6 @@ class DynamoReference:
         with torch.no_grad():
             off = diverging(got, ref, self.low_precision)
             wrong = bool(off) and self._compiled_is_wrong(flat, before, got, ref, off)
-        if distributed():
-            wrong = agree(wrong)
         if not wrong:
             if off:
                 report().count("guard.dynamo_reference_outlier")
