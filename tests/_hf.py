@@ -85,6 +85,17 @@ MODELS: dict[str, Spec] = {
 }
 
 
+class Logits(torch.nn.Module):
+    """A causal LM / masked LM as the pass harness calls it: ``(ids, mask) -> logits``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask=None):
+        return self.model(input_ids=ids, attention_mask=mask).logits
+
+
 def no_dropout(model: torch.nn.Module) -> None:
     """Both runs must compute the same function: every dropout probability is zero -- the dropout
     modules', and the floats that models copy from their config at construction (``self.dropout``,

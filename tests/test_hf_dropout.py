@@ -14,20 +14,13 @@ from test_attention_dropout import DROPOUT, P, no_square_tensor
 
 transformers = pytest.importorskip("transformers")
 
+from _hf import Logits as _Logits  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _fuse_tiny(monkeypatch):
     """Tiny CPU attention is left to Inductor by default; this order makes enn fuse it."""
     monkeypatch.setenv("ENN_ATTENTION_ORDER", "flash,explicit")
-
-
-class _Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, mask=None):
-        return self.model(input_ids=ids, attention_mask=mask).logits
 
 
 def _gpt2(training: bool, impl: str = "eager") -> torch.nn.Module:

@@ -16,7 +16,7 @@ from pass_harness import find_ops, run_passes
 
 transformers = pytest.importorskip("transformers")
 
-from _hf import no_dropout  # noqa: E402
+from _hf import Logits as _Logits, no_dropout  # noqa: E402
 from enn_backend.passes.attention.sdpa_calls import SDPA_OPS  # noqa: E402
 
 LAYERS, SEQ, PADDED = 2, 16, 5
@@ -26,15 +26,6 @@ LAYERS, SEQ, PADDED = 2, 16, 5
 def _fuse_tiny(monkeypatch):
     """Tiny CPU attention is left to Inductor by default; this order makes enn fuse eager sites."""
     monkeypatch.setenv("ENN_ATTENTION_ORDER", "flash,explicit")
-
-
-class _Logits(torch.nn.Module):
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids, mask=None):
-        return self.model(input_ids=ids, attention_mask=mask).logits
 
 
 def _model(family: str, impl: str, window: int = 0) -> torch.nn.Module:
