@@ -89,6 +89,9 @@ class DynamoReference:
         self.on = True  # off for a unit that draws random numbers or whose reference cannot run
         self.eager = False  # after a fault: the unit runs the Dynamo graph
         self.low_precision = _low_precision(gm)
+        # read on every call of the unit: the schedule's numbers, decided once
+        self.values_every = opts.guard_values
+        self.every_value = opts.guard.checks_every_value
 
     @classmethod
     def wrap(cls, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str) -> Callable[..., Any]:
@@ -98,9 +101,9 @@ class DynamoReference:
         return cls(compiled, gm, opts, unit) if checks else compiled
 
     def _sampled(self) -> bool:
-        n, o = self.calls, self.opts
-        return n == 1 or (o.guard_values > 0 and n % o.guard_values == 0) or (
-            o.guard.checks_every_value and (n <= o.guard_warmup or n % o.guard_every == 0))
+        n, every = self.calls, self.values_every
+        return n == 1 or (every > 0 and n % every == 0) or (
+            self.every_value and (n <= self.opts.guard_warmup or n % self.opts.guard_every == 0))
 
     def __call__(self, *args: Any) -> Any:
         if self.eager:
