@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from datetime import timedelta
 from typing import Any
 
@@ -200,6 +201,7 @@ def worker(job: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - reported per run, compared across ranks
             lines = f"{type(exc).__name__}: {exc}".splitlines()
             info["error"] = next((x for x in lines if "enn:" in x), lines[0] if lines else "")[:1000]
+            info["traceback"] = traceback.format_exc()[-3000:]
         info["steps_s"] = list(run.times)
         if v["kind"] == "enn":
             rep = enn_backend.report().to_dict()
@@ -261,7 +263,7 @@ def check(results: list[dict[str, Any]], tol: float) -> list[str]:
         if run["pins"] and not any(run.get("pinned", {}).values()):
             bad.append(f"{name}: nothing pinned (the fault was not met?): {run.get('fallbacks')}")
         if bool(run.get("error")) != run["fails"] and not any("errors differ" in b for b in bad):
-            bad.append(f"{name}: " + (f"raised {run['error']}" if run.get("error")
+            bad.append(f"{name}: " + (f"raised {run['error']}\n\n```\n{run.get('traceback', '')}```" if run.get("error")
                                       else "should have failed on every rank"))
         for r in results:
             d = r["runs"][name].get("max_diff")
