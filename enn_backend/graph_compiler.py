@@ -73,6 +73,7 @@ class GraphCompiler:
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None
         self._safe_gm: fx.GraphModule | None = None
+        self._eager_runs: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self._pinned_in: dict[int, int] = {}  # id(artifact) -> enn::pinned nodes in it
 
     # ---------------------------------------------------------------- helpers
@@ -95,7 +96,7 @@ class GraphCompiler:
     def fp64_gm(self) -> fx.GraphModule:
         """The reference in fp64: the judge when compiled and eager values disagree (built on
         demand, not kept: a disagreement is rare and the copy is as large as the graph)."""
-        return E.promote(self.safe_gm(), torch.float64)
+        return E.for_eager_runs(E.promote(self.safe_gm(), torch.float64))
 
     def safe_gm(self) -> fx.GraphModule:
         """The eager copy the guard re-runs: the ATen graph as given, except the kernels enn
@@ -108,6 +109,13 @@ class GraphCompiler:
                          if n.target.namespace == "enn" or n.meta.get(EMITTED)]
             self._safe_gm = E.pin_nodes(self.eager_gm, enn_nodes) if enn_nodes else self.eager_gm
         return self._safe_gm
+
+    def runs_eagerly(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """``gm``, one of the graphs this compiler keeps (``safe_gm``, ``fp32_gm``), as the guard
+        runs it eagerly (:func:`graph_edit.for_eager_runs`); made once, kept beside ``gm``."""
+        if id(gm) not in self._eager_runs:
+            self._eager_runs[id(gm)] = (gm, E.for_eager_runs(gm))  # holding gm keeps its id its own
+        return self._eager_runs[id(gm)][1]
 
     def _state_pins(self, exclude: frozenset[str] = frozenset()) -> list[str]:
         """Nodes (not in ``exclude``) whose kernels kernel state records as faulty."""
@@ -150,7 +158,7 @@ class GraphCompiler:
         return frozenset(self._state_pins(exclude=self.pinned_names))
 
     def eager_callable(self) -> Callable[[list], Any]:
-        return boxed_eager(self.eager_gm)
+        return boxed_eager(E.for_eager_runs(self.eager_gm))
 
     # ---------------------------------------------------------------- building
     @property

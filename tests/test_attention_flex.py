@@ -64,6 +64,28 @@ def test_flex_training_fragment_matches_eager_math():
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_guard_reference_runs_flex_without_per_element_vmap_fallback():
+    """The guard's eager copy runs the spliced flex op through its math path, which evaluates the
+    score_mod under vmap: every cast there must have a batching rule (``aten._to_copy``, not
+    ``prims.convert_element_type``), or vmap loops over every (batch, head, query, key) and one
+    checked call at T=1024 takes minutes. Rounded ALiBi positions put casts in the score_mod; the
+    compiled graph keeps the prim (Inductor lowers no ``_to_copy`` there)."""
+    import warnings
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    slopes = torch.tensor([0.01, 0.02])
+    fn = torch.compile(alibi_bf16_positions, backend="enn",
+                       options={"attention_backend": "flex", "guard": "strict", "guard_values": 1})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fn(q, k, v, slopes)
+    torch.testing.assert_close(got, alibi_bf16_positions(q, k, v, slopes), rtol=1e-4, atol=1e-4)
+    rep = enn_backend.report().to_dict()
+    assert sum(g["counters"].get("value_checks", 0) for g in rep["graphs"]) >= 1 and not rep["fallbacks"], rep
+    assert not [w for w in caught if "batching rule" in str(w.message)], [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("t", [128, 512, 1024])
 @pytest.mark.parametrize("causal, window", [(True, 0), (True, 100), (True, 256), (False, 300), (False, 0)])
 def test_closed_form_block_mask_equals_create_block_mask(t, causal, window):

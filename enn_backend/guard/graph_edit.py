@@ -76,6 +76,36 @@ def copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
         return copy.deepcopy(gm)
 
 
+def for_eager_runs(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as the guard runs it eagerly: every ``prims.convert_element_type`` inside a
+    higher-order op's subgraph (a flex score_mod, its joint) written as ``aten._to_copy``, the same
+    cast (a copy of ``gm`` when there is one; ``gm`` itself otherwise).
+
+    Eagerly, the flex op evaluates its score_mod under ``vmap`` over (batch, head, query, key).
+    vmap has no batching rule for the prim, and its per-element fallback turns one call at T=1024
+    into minutes. Only the compiled graph keeps the prim: Inductor lowers no ``_to_copy`` there.
+    """
+    convert = torch.ops.prims.convert_element_type.default
+
+    def casts(m: fx.GraphModule) -> list[fx.Node]:
+        return [n for sub in m.modules() if sub is not m and isinstance(sub, fx.GraphModule)
+                for n in sub.graph.find_nodes(op="call_function", target=convert)]
+
+    if not casts(gm):
+        return gm
+    gm = copy_gm(gm)
+    for n in casts(gm):
+        with n.graph.inserting_before(n):
+            cast = n.graph.call_function(torch.ops.aten._to_copy.default, (n.args[0],), {"dtype": n.args[1]})
+        cast.meta.update(n.meta)
+        n.replace_all_uses_with(cast)
+        n.graph.erase_node(n)
+    for sub in gm.modules():
+        if isinstance(sub, fx.GraphModule):
+            sub.recompile()
+    return gm
+
+
 def pin_nodes(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
     """Copy of ``gm`` with the named nodes replaced by ``enn::pinned`` calls."""
     names = set(names)

@@ -49,7 +49,7 @@ class FaultLadder:
         inputs and leaves in the RNG is kept on ``call``, so the ladder can leave them as
         the reference left them after its trials ran (see _settle)."""
         self._restore(call)
-        ref, exc = self._run_eager(self.compiler.safe_gm(), call.inputs)
+        ref, exc = self._run_eager(self.compiler.runs_eagerly(self.compiler.safe_gm()), call.inputs)
         if exc is None:
             call.after = ([call.inputs[i].clone() for i in self.written],
                           RngSnapshot() if call.rng is not None else None)
@@ -355,7 +355,7 @@ class FaultLadder:
         (and the graph is pinned to fp32 from now on), else None."""
         rec, phase, R = self.record, self.record.phase, report()
         self._restore(call)
-        out32, exc32 = self._run_eager(self.compiler.fp32_gm(), call.inputs)
+        out32, exc32 = self._run_eager(self.compiler.runs_eagerly(self.compiler.fp32_gm()), call.inputs)
         if exc32 is not None or set(nonfinite_outputs(out32)) & set(bad):
             return None
         if self.mode.raises:
