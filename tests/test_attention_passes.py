@@ -13,7 +13,7 @@ import enn_backend
 from attention_cases import (ALIBI, BACKEND, BIAS, CAUSAL, CPU_FLASH, CPU_FLASH_BWD, MASK, MASKED_ROWS, WINDOW,
                              B, H, T, D, alibi_causal, aten, bool_padding_neg_inf, causal_arange,
                              causal_tril, causal_triu_where_min, choices, enn, exp_not_softmax, finfo_min_padding,
-                             fused, gqa_repeat_interleave, heads_of_hidden, int_padding, intermediate_reused, learned_bias,
+                             fused, heads_of_hidden, int_padding, intermediate_reused, learned_bias,
                              padding_bias, qkv, scale_q_div, sliding_window, softmax_over_dim1_3d,
                              softmax_over_queries, t5_bias, t5_bias_scaled, t5_bias_twice, t5_cross, the,
                              three_d_bias, three_d_causal, untouched, UNFUSED, T5Layers)
@@ -231,17 +231,6 @@ def test_fully_masked_rows_zero_option():
     assert the(run.after, enn.attention).args[MASKED_ROWS] == "zero"
     assert (run.output[0] == 0).all()
     torch.testing.assert_close(run.output[1], bool_padding_neg_inf(q, k, v, keep)[1])
-
-
-def test_gqa_repeat_interleave():
-    """CPU flash takes no grouped-query K/V: it reads the graph's repeat, and the backward sums
-    the repeated heads' gradients back onto the K/V heads."""
-    run = fused(gqa_repeat_interleave, qkv(hkv=2))
-    kernel = the(run.after, CPU_FLASH)
-    assert kernel.args[1].meta["val"].shape[1] == H
-    folds = [n for n in find_ops(run.after, aten.sum.dim_IntList) if n.args[1] == [2]]
-    assert len(folds) == 2  # dk, dv: [B, Hkv, rep, T, D] summed over rep
-    assert choices()[0]["gqa"]
 
 
 def test_alibi_from_slopes():

@@ -22,7 +22,7 @@ def problem(**kw):
 def test_policy_choices():
     assert choose(problem()).backend == "cudnn"
     assert choose(problem(capability=(8, 0))).backend == "flash"
-    # Grouped-query K/V (HF's repeat_kv): cuDNN, like flash, reads the graph's repeated K/V.
+    # Grouped-query K/V (HF's repeat_kv): cuDNN, like flash, reads the K/V heads themselves (tests/test_attention_gqa.py).
     assert choose(problem(heads_kv=4)).backend == "cudnn"
     assert choose(problem(dtype="float32")).backend == "efficient"
     assert choose(problem(has_mask=True, causal=False)).backend == "inductor"  # measured faster than SDPA with a mask

@@ -8,6 +8,10 @@ order and saved outputs): no custom op's per-call cost, and the backward reads t
 saved statistics (no recompute). So does a causal site whose mask is key padding
 (key_padding.py): the kernel takes the ``[B, 1, 1, Tk]`` padding bias with its causal flag, and
 :class:`~..key_padding.DeadRows` gives the rows that keep no key eager's values and gradients.
+Grouped-query K/V (``Hkv < Hq`` heads, repeated in the graph by ``repeat_kv`` / ``repeat_interleave``):
+a kernel that takes them (:attr:`NativeKernel.grouped_kv`) reads the un-repeated K/V and gives
+``[B, Hkv, T, D]`` gradients, so the graph's ``[B, Hq, T, D]`` copy dies; the others read the copy
+and their gradients are summed back onto the K/V heads.
 Otherwise these backends run inside ``enn::attention``
 (enn_op.py). The guard's eager reference runs each emitted op's safe path
 (custom_ops/attention/safe_paths.py, named per kernel in :data:`NATIVE`).
@@ -80,7 +84,6 @@ def check_cudnn(p: AttentionProblem) -> tuple[bool, str]:
                        "(other biases go to memory-efficient)")
     if p.head_dim > 128 or p.head_dim % 8 or p.head_dim != p.head_dim_v:
         return False, f"cuDNN needs equal head dims, a multiple of 8, <= 128 (have {p.head_dim}/{p.head_dim_v})"
-    # Grouped-query K/V: like flash, the kernel reads the graph's repeated K/V (SdpaKernel).
     return True, "SDPA cuDNN: Hopper, fp16/bf16" + (", a [B, 1, 1, Tk] key-padding bias" if p.key_padding else "")
 
 
@@ -148,6 +151,9 @@ class NativeKernel(NamedTuple):
     forward_args: Callable[[Call], tuple[tuple, dict]]
     backward_args: Callable[[Call], tuple[tuple, dict]]
     safe_paths: tuple[str, ...]  # emitted ops with a safe path (custom_ops/attention/safe_paths.py) for the guard
+    # Takes K/V with Hkv heads, Hq a multiple of Hkv (query head h reads K/V head h // (Hq // Hkv)),
+    # forward and backward, its dK/dV with Hkv heads; else it needs as many K/V heads as query heads.
+    grouped_kv: bool
 
 
 def _flash_bwd(c: Call) -> tuple[tuple, dict]:
@@ -165,32 +171,37 @@ def _cudnn_bwd(c: Call) -> tuple[tuple, dict]:
     return (c.g, c.q, c.k, c.v, out, lse, sv[6], sv[7], c.bias, None, None, tq, tk, c.dropout, c.causal), {"scale": c.scale}
 
 
-# Backend -> its ATen ops. Not covered by a safe path: the CUDA forward kernels (flash / cuDNN
+# Backend -> its ATen ops. grouped_kv: cuDNN and flash take grouped K/V forward and backward, their
+# output and dK/dV equal to the repeated call's (dK/dV summed per group) (bench/gpu_gqa_kernels.py,
+# H100, torch 2.11); memory-efficient refuses them ("Expected query.size(2) == key.size(2)"); CPU
+# flash takes them, forward and backward, on torch 2.11, 2.13 and 2.15 (checked against the
+# repeated call; tests/test_attention_gqa.py on the installed torch).
+# Not covered by a safe path: the CUDA forward kernels (flash / cuDNN
 # return SymInt outputs a pinned op cannot return, and their RNG outputs have no
 # device-independent layout): for those the guard's reference is the kernel itself.
 NATIVE: dict[Backend, NativeKernel] = {
     Backend.FLASH: NativeKernel(
         aten._scaled_dot_product_flash_attention.default, 8, aten._scaled_dot_product_flash_attention_backward.default,
         False, lambda c: ((c.q, c.k, c.v, c.dropout, c.causal, False), {"scale": c.scale}), _flash_bwd,
-        ("aten._scaled_dot_product_flash_attention_backward.default",)),
+        ("aten._scaled_dot_product_flash_attention_backward.default",), grouped_kv=True),
     Backend.CUDNN: NativeKernel(
         aten._scaled_dot_product_cudnn_attention.default, 8, aten._scaled_dot_product_cudnn_attention_backward.default,
         True, lambda c: ((c.q, c.k, c.v, c.bias, True, c.dropout, c.causal, False), {"scale": c.scale}), _cudnn_bwd,
-        ("aten._scaled_dot_product_cudnn_attention_backward.default",)),
+        ("aten._scaled_dot_product_cudnn_attention_backward.default",), grouped_kv=True),
     Backend.EFFICIENT: NativeKernel(
         aten._scaled_dot_product_efficient_attention.default, 4,
         aten._scaled_dot_product_efficient_attention_backward.default, True,
         lambda c: ((c.q, c.k, c.v, c.bias, True, c.dropout, c.causal), {"scale": c.scale}),
         lambda c: ((c.g, c.q, c.k, c.v, c.bias, c.saved[0], c.saved[1], c.saved[2], c.saved[3], c.dropout,
                     [True, True, True, False], c.causal), {"scale": c.scale}),
-        ("aten._scaled_dot_product_efficient_attention_backward.default",)),
+        ("aten._scaled_dot_product_efficient_attention_backward.default",), grouped_kv=False),
     Backend.CPU_FLASH: NativeKernel(
         aten._scaled_dot_product_flash_attention_for_cpu.default, 2,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default, True,
         lambda c: ((c.q, c.k, c.v, 0.0, c.causal), {"attn_mask": c.bias, "scale": c.scale}),
         lambda c: ((c.g, c.q, c.k, c.v, c.saved[0], c.saved[1], 0.0, c.causal), {"attn_mask": c.bias, "scale": c.scale}),
         ("aten._scaled_dot_product_flash_attention_for_cpu.default",
-         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default")),
+         "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"), grouped_kv=True),
 }
 
 
@@ -221,7 +232,7 @@ class SdpaKernel:
         self.kernel = NATIVE[plan.backend]
         m = plan.match
         self.k, self.v = ops.k, ops.v
-        if plan.rep > 1:  # no grouped-query K/V in these kernels: they read the graph's repeat
+        if plan.rep > 1 and not self.kernel.grouped_kv:  # the kernel reads the graph's repeated K/V
             self.k, self.v = (em.cast(t, m.dtype) for t in (m.k, m.v))
         self.bias = self._kernel_bias(ops.bias)
         self.saved: list = []
@@ -229,9 +240,15 @@ class SdpaKernel:
 
     @staticmethod
     def reason(plan: "Plan") -> str:
+        why = "; emitted as the ATen kernel itself" + (
+            ", with " + plan.padding.describe() if plan.padding is not None else " (no fully-masked row is possible)")
+        if plan.rep > 1:
+            why += (f"; reads the grouped-query K/V ({plan.problem.heads_kv} heads) itself, no [B, Hq, T, D] copy"
+                    if NATIVE[plan.backend].grouped_kv else
+                    f"; reads the graph's {plan.rep}x repeated K/V copy ({plan.backend.value} needs as many K/V "
+                    "heads as query heads), its K/V gradients summed back per group")
         if plan.padding is not None:
-            return "; emitted as the ATen kernel itself, with " + plan.padding.describe()
-        why = "; emitted as the ATen kernel itself (no fully-masked row is possible)"
+            return why
         if plan.problem.dropout:
             why += (f"; dropout_p={plan.problem.dropout:g} in the kernel, which draws its own mask "
                     "(eager's values in distribution, not bitwise)")
