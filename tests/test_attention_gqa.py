@@ -42,6 +42,17 @@ def repeat_kv_causal(q, k, v):
     return torch.matmul(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), vv)
 
 
+def repeat_kv_causal_where(q, k, v):
+    """The same, its causal mask from position comparisons (how transformers 5 builds it): on CUDA
+    enn reads it as is_causal, so cuDNN and flash can take the site."""
+    rep, t = q.shape[1] // k.shape[1], q.shape[-2]
+    kk, vv = repeat_kv(k, rep), repeat_kv(v, rep)
+    i, j = torch.arange(t, device=q.device)[:, None], torch.arange(t, device=q.device)[None, :]
+    mask = torch.where(j <= i, torch.tensor(0.0, device=q.device), torch.finfo(torch.float32).min)
+    att = torch.matmul(q, kk.transpose(2, 3)) * q.shape[-1] ** -0.5 + mask
+    return torch.matmul(F.softmax(att, dim=-1, dtype=torch.float32).to(q.dtype), vv)
+
+
 def left_padded_bf16(q, k, v, pad):
     """The same under bf16 autocast with a [B, T] attention mask (left padding) folded into the mask."""
     with torch.autocast("cpu", torch.bfloat16):
@@ -178,7 +189,8 @@ def _cuda_qkv(t: int = 128, d: int = 64):
 def test_cuda_kernel_reads_grouped_kv(kernel):
     if kernel == "cudnn" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("enn runs cuDNN attention on sm90+ only")
-    run = run_passes(repeat_kv_causal, _cuda_qkv(), ["attention"], training=True, options={"attention_backend": kernel})
+    run = run_passes(repeat_kv_causal_where, _cuda_qkv(), ["attention"], training=True,
+                     options={"attention_backend": kernel})
     check_grouped(run, CUDA_FORWARD[kernel], CUDA_BACKWARD[kernel])
     run.check_eager()
 

@@ -423,3 +423,22 @@ def test_fault_inject_that_plants_nothing_is_reported_per_unit(caplog):
     bwd = not_planted()["aten.addmm:nan:bwd"]
     assert bwd.graph == "g1/inference" and "only in the inference graph" in bwd.reason, bwd.reason
     assert "aten.addmm:inf:fwd" not in not_planted()
+
+
+def test_collectives_are_never_pinned():
+    """A collective is no kernel the guard judges: pinning it (say, in the "pin everything" trial
+    of a localization) would move a communication every rank must issue in the same order. Only
+    the ops around it are candidates."""
+    import torch.fx as fx
+
+    from enn_backend.guard import graph_edit as E
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    reduced = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    relu = g.call_function(torch.ops.aten.relu.default, (reduced,))
+    g.output(relu)
+    for n in (x, reduced, relu):
+        n.meta["val"] = torch.zeros(4)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert [n.target for n in E.candidate_nodes(gm)] == [torch.ops.aten.relu.default]

@@ -25,6 +25,10 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 # not kernels: a tuple's item, and the copy of a constant the graph holds (pinning it would hand
 # Inductor a real tensor where it traces with fake ones)
 _SKIP_TARGETS = {operator.getitem, torch.ops.aten.lift_fresh_copy.default}
+# Not kernels whose values the guard judges: collectives, FSDP's copy-in / copy-out, stream and
+# event bookkeeping. They stay where they are: every rank must issue the same collectives in the
+# same order, and their order on the device is theirs.
+_NOT_KERNELS = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor", "fsdp", "streams", "profiler"})
 
 
 def _val(n: Any) -> Any:
@@ -44,7 +48,7 @@ def is_pinnable(n: fx.Node) -> bool:
     if n.op != "call_function" or n.target in _SKIP_TARGETS:
         return False
     target = n.target
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in _NOT_KERNELS:
         return False
     if target.namespace == "enn" and target._schema.name in ("enn::fault", "enn::pinned"):
         return False
@@ -129,8 +133,12 @@ def pin_nodes(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
         with graph.inserting_before(n):
             p = graph.call_function(torch.ops.enn.pinned.default, (spec, tensors, ints))
         fake_args = ([_val(t) for t in tensors], [_val(i) for i in ints])
-        with mode:
-            p.meta["val"] = torch.ops.enn.pinned.default(spec, *fake_args)
+        try:
+            with mode:
+                p.meta["val"] = torch.ops.enn.pinned.default(spec, *fake_args)
+        except Exception as exc:  # noqa: BLE001 -- name the node: the op's own error rarely does
+            raise RuntimeError(f"enn: cannot pin {n.name} ({n.target}, args {n.args}): {type(exc).__name__}: {exc}") \
+                from exc
         p.meta["enn_pinned_from"] = n.name
         if isinstance(_val(n), torch.Tensor):
             with graph.inserting_after(p):
