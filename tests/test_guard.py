@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import operator
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
 import torch
 
 import enn_backend
@@ -440,5 +442,26 @@ def test_collectives_are_never_pinned():
     g.output(relu)
     for n in (x, reduced, relu):
         n.meta["val"] = torch.zeros(4)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    assert [n.target for n in E.candidate_nodes(gm)] == [torch.ops.aten.relu.default]
+
+
+def test_ops_returning_more_than_tensors_are_never_pinned():
+    """enn::pinned returns tensors only: CUDA flash / cuDNN SDPA also return SymInts (max_q,
+    max_k) and None, so pinning them (the "pin everything" trial of a localization on any CUDA
+    model calling SDPA) would fail to build. They stay compiled; the ops around them are candidates."""
+    import torch.fx as fx
+
+    from enn_backend.guard import graph_edit as E
+
+    g = fx.Graph()
+    q = g.placeholder("q")
+    flash = g.call_function(torch.ops.aten._scaled_dot_product_flash_attention.default, (q, q, q))
+    out = g.call_function(operator.getitem, (flash, 0))
+    relu = g.call_function(torch.ops.aten.relu.default, (out,))
+    g.output(relu)
+    t = torch.zeros(1, 1, 4, 8)
+    for n, v in ((q, t), (flash, (t, torch.zeros(1, 1, 4), None, None, 4, 4, t, t, t)), (out, t), (relu, t)):
+        n.meta["val"] = v
     gm = fx.GraphModule(torch.nn.Module(), g)
     assert [n.target for n in E.candidate_nodes(gm)] == [torch.ops.aten.relu.default]

@@ -56,7 +56,16 @@ def is_pinnable(n: fx.Node) -> bool:
         return False
     if any(r.alias_info is not None for r in target._schema.returns):
         return False  # in-place / out= / view ops
+    if not all(_is_tensors(r.type) for r in target._schema.returns):
+        return False  # enn::pinned returns tensors only: not the SymInts of CUDA flash / cuDNN SDPA
     return bool(_tensors_in(_val(n)))
+
+
+def _is_tensors(t: Any) -> bool:
+    """A schema return type that is ``Tensor`` or ``Tensor[]`` (not ``Tensor?``, ``SymInt``, ...)."""
+    if isinstance(t, torch._C.ListType):
+        t = t.getElementType()
+    return isinstance(t, torch._C.TensorType)
 
 
 def candidate_nodes(gm: fx.GraphModule) -> list[fx.Node]:
