@@ -35,6 +35,7 @@ that finds the inputs the graph writes. Unsampled calls add a counter and a comp
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Callable
 
 import torch
@@ -89,14 +90,16 @@ class DynamoReference:
         self.on = True  # off for a unit that draws random numbers or whose reference cannot run
         self.eager = False  # after a fault: the unit runs the Dynamo graph
         self.low_precision = _low_precision(gm)
-        # read on every call of the unit: the schedule's numbers, decided once
         self.values_every = opts.guard_values
         self.every_value = opts.guard.checks_every_value
+        # the first call that is not a bare call of the compiled unit (a sampled one, or every
+        # call once the unit runs eagerly); the calls before it cost one comparison
+        self.due = 1
 
     @classmethod
     def wrap(cls, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str) -> Callable[..., Any]:
         """``compiled`` behind this check where the guard compares values at all (not under
-        torch.distributed, where ranks must run the same graphs: checked per call)."""
+        torch.distributed, where ranks must run the same graphs: asked on each sampled call)."""
         checks = opts.guard.checks_outputs and (opts.guard_values > 0 or opts.guard.checks_every_value)
         return cls(compiled, gm, opts, unit) if checks else compiled
 
@@ -105,20 +108,42 @@ class DynamoReference:
         return n == 1 or (every > 0 and n % every == 0) or (
             self.every_value and (n <= self.opts.guard_warmup or n % self.opts.guard_every == 0))
 
+    def _next_due(self) -> int:
+        """The next sampled call after this one (see _sampled)."""
+        n, every = self.calls, self.values_every
+        if not self.on:
+            return sys.maxsize
+        if self.eager:
+            return n + 1
+        due = n + every - n % every if every > 0 else sys.maxsize
+        if self.every_value:
+            if n < self.opts.guard_warmup:
+                return n + 1
+            due = min(due, n + self.opts.guard_every - n % self.opts.guard_every)
+        return due
+
     def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls < self.due:
+            return self.compiled(*args)
+        return self._due_call(args)
+
+    def _due_call(self, args: tuple) -> Any:
         if self.eager:
             flat, boxed = flat_args(args)
             out = self.gm(*flat)
             if boxed:
                 flat.clear()  # the boxed convention: the callee owns (and frees) the argument list
             return out
-        self.calls += 1
-        if not (self.on and self._sampled()) or distributed():  # off there, as the guard's value checks
+        sampled = self.on and self._sampled()
+        self.due = self._next_due()  # _off and _fault set it again
+        if not sampled or distributed():  # off there, as the guard's value checks
             return self.compiled(*args)
         return self._check(args, list(flat_args(args)[0]))
 
     def _off(self, why: str) -> None:
         self.on = False
+        self.due = sys.maxsize
         report().count("guard.dynamo_reference_off")
         log.info("enn: unit %s: no Dynamo-graph reference from now on: %s", self.unit, why)
 
@@ -198,7 +223,7 @@ class DynamoReference:
             report().add_fallback(FallbackKind.DYNAMO_GRAPH, node="<graph>", phase="forward", graph=self.unit,
                                   reason=what, action="returned the Dynamo graph's result (gradients through its "
                                   "eager ops); the unit runs the Dynamo graph eagerly from now on")
-            self.eager = True
+            self.eager, self.due = True, 0
             with torch.no_grad():
                 for i, saved in before.items():
                     flat[i].copy_(saved)

@@ -53,7 +53,11 @@ class GuardedGraph(RankFollower, FaultLadder):
         self.keep_inputs = self.mode.keeps_inputs  # exceptions mode may re-run any call
         self.counters = record.counters  # the report's counters for this graph, updated per call
         self.calls = 0
-        self.since_build = 0  # calls since the current artifact was built
+        self.built_at = 0  # the call count when the current artifact was built (see since_build)
+        # The first call number that is not a bare call of the compiled code -- a check, the
+        # warm-up, a late screen to read -- decided by the slow path (_scheduled) for the calls
+        # up to it, so that every call before it costs one comparison. 0: the next call decides.
+        self.due = 0
         self.written = compiler.written  # inputs a compiled call may write into: copied on checked calls
         self.random = compiler.random
         self.inputs_are_primals = compiler.phase != "backward"  # parameters, buffers, user inputs
@@ -62,19 +66,59 @@ class GuardedGraph(RankFollower, FaultLadder):
         self.generation = 0  # bumped whenever the fast path changes (see LADDER)
         # steady-state samples of a graph whose outputs live on one GPU are screened there and
         # read back later (a host sync would stall the launch queue: +3-7% on a short step)
-        self.screen_later = False  # set by the first synchronously checked call
+        self.screen_later: bool | None = None  # decided by the first synchronously checked call
         self._late: LateScreen | None = None
         self._late_host: torch.Tensor | None = None
         self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
 
     # --------------------------------------------------------------- fast path
+    @property
+    def since_build(self) -> int:
+        """Calls since the current artifact was built (or the warm-up was restarted)."""
+        return self.calls - self.built_at
+
+    @since_build.setter
+    def since_build(self, n: int) -> None:
+        self.built_at = self.calls - n
+        self.due = 0  # the schedule changed: the next call decides again
+
     def __call__(self, args: list) -> Any:
-        # Runs on every call of every compiled graph, so the steady state's unchecked call is
-        # kept to a few attribute reads: on a small CPU graph (tens of microseconds) each
-        # Python operation here is a visible share of the call.
+        # Runs on every call of every compiled graph. A call before `due` is a bare call of the
+        # compiled code: on a small CPU graph (tens of microseconds) each Python operation here
+        # is a visible share of the call, so what the schedule decides is decided in _scheduled.
         self.calls += 1
-        self.since_build += 1
         self.counters["calls"] = self.calls
+        if self.calls >= self.due:
+            return self._scheduled(args)
+        # An unchecked call holds no reference to the inputs: the compiled code's `args.clear()`
+        # frees each one when it is dead (holding them kept a backward graph's saved activations
+        # alive to its end).
+        generation = self.generation
+        try:
+            return self.compiled(args)
+        except torch.OutOfMemoryError:
+            raise  # not a kernel fault: eager would need the same memory
+        except Exception as e:  # noqa: BLE001 - any kernel failure enters the ladder
+            exc = e
+        self.due = 0
+        # outside the `except`: an error the ladder raises is not chained to the kernel's
+        return self._after(None, exc, Call(None, None, None, generation), False)
+
+    def _next_due(self) -> int:
+        """The next call (after this one) that is not a bare call: every call in "exceptions"
+        mode (which keeps every call's inputs), while a late screen waits to be read, in the
+        warm-up and on an artifact's first call; else the next multiple of ``guard_every`` or of
+        ``guard_values``, whichever comes first."""
+        n = self.calls
+        if self.keep_inputs or self._late is not None or self.since_build < max(self.warmup, 1):
+            return n + 1
+        due = n + self.every - n % self.every
+        if self.value_every:
+            due = min(due, n + self.value_every - n % self.value_every)
+        return due
+
+    def _scheduled(self, args: list) -> Any:
+        """A call at or past ``due``: decides what this call does, and the next ``due``."""
         if self._late is not None:
             self._read_late()
         # every call while the artifact is new (first calls are where kernel faults show),
@@ -85,22 +129,21 @@ class GuardedGraph(RankFollower, FaultLadder):
         check = self.checks_outputs and (warm or values or self.calls % self.every == 0)
         values = check and (values or self.values_always)
         later = check and not warm and not values and self.screen_later and not distributed()
+        self.due = self._next_due()  # a ladder below, or a late screen, sets it again
         generation = self.generation
         if later or not (check or self.keep_inputs):
-            # An unchecked call holds no reference to the inputs: the compiled code's
-            # `args.clear()` frees each one when it is dead (holding them kept a backward
-            # graph's saved activations alive to its end).
             out, exc = None, None
             try:
                 out = self.compiled(args)
             except torch.OutOfMemoryError:
-                raise  # not a kernel fault: eager would need the same memory
-            except Exception as e:  # noqa: BLE001 - any kernel failure enters the ladder
+                raise
+            except Exception as e:  # noqa: BLE001
                 exc = e
             if exc is None:
                 if later:
                     self._screen_later(out)
                 return out
+            self.due = 0
             return self._after(out, exc, Call(None, None, None, generation), False)
         if check:
             self.counters["checks"] = self.counters.get("checks", 0) + 1
@@ -120,7 +163,6 @@ class GuardedGraph(RankFollower, FaultLadder):
             exc = e
         if exc is None and not check and not distributed():
             return out
-        # outside the `except`: an error the ladder raises is not chained to the kernel's
         return self._after(out, exc, call, check, values)
 
     def _after(self, out: Any, exc: BaseException | None, call: Call, check: bool, values: bool = False) -> Any:
@@ -128,8 +170,8 @@ class GuardedGraph(RankFollower, FaultLadder):
         bad = nonfinite_outputs(out, self.allowed) if (exc is None and check) else []
         if values and exc is None and not bad and not distributed():
             return self._check_values(out, call)
-        if exc is None and check and not self.screen_later and compat.is_cuda_available():
-            self.screen_later = single_cuda_device(out)
+        if exc is None and check and self.screen_later is None:  # decided once: a graph's outputs stay where they are
+            self.screen_later = compat.is_cuda_available() and single_cuda_device(out)
         level = _EXCEPTION if exc is not None else (_NONFINITE if bad else _OK)
         if call.inputs is not None and distributed():  # an agreed call: every rank meets it (see .ranks)
             levels = gather_levels(level)
@@ -179,6 +221,7 @@ class GuardedGraph(RankFollower, FaultLadder):
         if self._late_host is None:
             self._late_host = torch.empty((), dtype=torch.bool, pin_memory=True)
         self._late = LateScreen(out, self.allowed, self._late_host, self.calls)
+        self.due = self.calls + 1  # the next call reads it
 
     def _read_late(self, wait: bool = False) -> None:
         late = self._late

@@ -1,0 +1,113 @@
+"""What the guard decides per call: its schedule (warm-up, screens, value checks, the Dynamo-graph
+reference) is decided on the calls it is due, and the calls between cost one comparison; and the
+value check's comparison of two results (guard/screen.py), whose common case is a shortcut."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend.guard.dynamo_reference import DynamoReference
+from enn_backend.guard.runtime import GuardedGraph
+from enn_backend.guard.screen import finite_close, same_nonfinite, same_values
+
+from _models import make
+
+ISOLATED = {"attention": False, "epilogue": False, "persist": False}
+INF, NAN = float("inf"), float("nan")
+
+
+def _counting(monkeypatch, cls: type, name: str) -> list[int]:
+    """Record the call count each time ``cls.name`` runs."""
+    seen: list[int] = []
+    inner = getattr(cls, name)
+
+    def counted(self, *args):
+        seen.append(self.calls)
+        return inner(self, *args)
+
+    monkeypatch.setattr(cls, name, counted)
+    return seen
+
+
+def test_only_due_calls_leave_the_fast_path(monkeypatch):
+    slow = _counting(monkeypatch, GuardedGraph, "_scheduled")
+    sampled = _counting(monkeypatch, DynamoReference, "_due_call")
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn",
+                             options={**ISOLATED, "guard_warmup": 3, "guard_every": 10, "guard_values": 25})
+    with torch.no_grad():
+        for _ in range(60):
+            compiled(x)
+    # the warm-up (calls 1-3), every 10th call (screens) and every 25th (value checks); nothing else
+    assert slow == [1, 2, 3, 10, 20, 25, 30, 40, 50, 60], slow
+    assert sampled == [1, 25, 50], sampled  # the Dynamo-graph reference: the first call, every 25th
+    (g,) = enn_backend.report().to_dict()["graphs"]
+    assert g["counters"]["calls"] == 60 and g["counters"]["checks"] == 10 and g["counters"]["value_checks"] == 3
+
+
+def test_restarting_the_warm_up_checks_the_next_calls(monkeypatch):
+    """Setting ``since_build`` (what the ladder does when it adopts an artifact, and the tests do to
+    force a check) moves the next due call to the very next one."""
+    import gc
+
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "guard_warmup": 3, "guard_every": 1000,
+                                                            "guard_values": 0})
+    with torch.no_grad():
+        for _ in range(20):
+            compiled(x)
+        (record,) = enn_backend.report().graphs
+        guard = next(o for o in gc.get_objects() if type(o) is GuardedGraph and o.record is record)
+        checks = record.counters["checks"]
+        assert guard.due == 1000 and checks == 3
+        guard.since_build = 0
+        slow = _counting(monkeypatch, GuardedGraph, "_scheduled")
+        for _ in range(5):
+            compiled(x)
+    assert slow == [21, 22, 23] and record.counters["checks"] == checks + 3, (slow, record.counters)
+    assert guard.due == 1000
+
+
+# ----------------------------------------------------------------------------- comparisons
+def _t(values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_same_values_within_and_beyond_the_tolerance(dtype):
+    """fp32's band: |a - b| <= 1e-5 * max(1, max |b|) + 1e-4 * |b|; here 3e-3 + 1e-4 at b = 1."""
+    b = _t([1.0, -2.0, 300.0, 0.0], dtype)
+    for delta, same in ((1.5e-3, True), (3.0e-3, True), (3.2e-3, False), (1.2e-2, False)):
+        a = b.clone()
+        a[0] += delta
+        assert same_values(a, b) is same, delta
+    assert same_values(b * (1 + 0.9e-4), b) and not same_values(b * (1 + 1.1e-4) + 3.1e-3, b)
+    assert not same_values(b, b.to(torch.float16))  # another dtype
+
+
+def test_same_values_compares_nonfinite_places_exactly():
+    a = _t([1.0, NAN, INF, -INF])
+    assert same_values(a, a.clone())
+    assert not same_values(a, _t([1.0, NAN, INF, INF]))  # an infinity of the other sign
+    assert not same_values(a, _t([1.0, 0.0, INF, -INF]))  # a NaN where the reference is finite
+    assert not same_values(_t([1.0, 2.0]), _t([1.0, NAN]))  # the shortcut's "not all finite" goes exact
+    assert not same_values(_t([1.0, 2.0, INF]), _t([1.5, 2.0, INF]))  # finite values still compared
+    assert same_nonfinite(a, a.clone()) and finite_close(a, _t([1.0, 5.0, -INF, INF]))
+
+
+def test_same_values_when_an_fp64_sum_overflows():
+    """The shortcut sums in fp64; fp64 values near its range overflow there and take the exact path,
+    which must judge them as before."""
+    big = _t([1e308, 1e308, -1e308], torch.float64)
+    assert same_values(big, big.clone())
+    off = big.clone()
+    off[2] = -9e307
+    assert not same_values(off, big)
+
+
+def test_same_values_of_empty_and_integer_tensors():
+    assert same_values(torch.empty(0), torch.empty(0))
+    assert not same_values(torch.empty(0), torch.empty(1))
+    assert same_values(torch.arange(3), torch.arange(3)) and not same_values(torch.arange(3), torch.arange(1, 4))
