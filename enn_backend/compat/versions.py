@@ -35,3 +35,12 @@ def inductor_compiles_nan_amax() -> bool:
     propagation calls sympy's max on nan). Covered by
     minifier_repros/repro_upstream_188225_amax_nan_constant.py."""
     return TORCH_VERSION >= (2, 14)
+
+
+def export_traces_compiled_regions() -> bool:
+    """torch >= 2.13: ``torch.export`` under ``force_compile_during_fx_trace`` traces through a
+    ``torch.compile``'d region. On 2.11 Dynamo's guard on the torch-function mode stack fails on
+    the frame that created it ("Guard failed on the same frame it was created"), with any
+    backend, ``eager`` included (2.11 and 2.13 measured; 2.12 not). Covered by
+    tests/test_export.py::test_a_compile_that_export_asks_for_runs_as_captured."""
+    return TORCH_VERSION >= (2, 13)
