@@ -42,7 +42,7 @@ from .inductor import (  # noqa: F401
 from .miscompiles import KNOWN_MISCOMPILES, KnownMiscompile, known_miscompiles  # noqa: F401
 from .runtime import dist_initialized, is_cuda_available, triton_version  # noqa: F401
 from .tracing import (  # noqa: F401
-    detect_fake_mode, fx_minifier, inputs_written, joint_fwd_bwd, make_fx, outside_dispatch_modes, real_tensor_mode,
+    detect_fake_mode, fx_minifier, inputs_written, joint_fwd_bwd, make_fx, real_tensor_mode,
     registered_op_names, size_hint, trace_structured_artifact)
 from .versions import (  # noqa: F401
     TORCH_VERSION, cpp_emulates_precision_casts, emulate_precision_casts_rounds_python_scalars,

@@ -90,19 +90,6 @@ def real_tensor_mode() -> Any:
     return unset_fake_temporarily()
 
 
-def outside_dispatch_modes() -> Any:
-    """Context manager: no TorchDispatchMode active inside (restored on exit).
-
-    The guard compiles trial graphs while a compiled call is in flight, under whatever modes
-    torch entered around that call: AOT Autograd's first-call custom-op aliasing check
-    (``_AnalyzeCustomOpInputOutputMode``, torch >= 2.11) then intercepts the fake ``enn::pinned``
-    calls a trial graph is built with, and runs them for real. torch.utils._python_dispatch.
-    _disable_current_modes exists, unchanged, from 2.0 through 2.15."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    return _disable_current_modes()
-
-
 def size_hint(s: Any) -> int:
     """A concrete example value for a size, WITHOUT installing a guard on it.
 

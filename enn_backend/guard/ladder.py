@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import blame, compat
+from .. import blame
 from ..report import FallbackKind, report
 from . import graph_edit as E
 from .calls import LADDER, Call, EnnGuardError, RngSnapshot, no_autocast
@@ -171,12 +171,6 @@ class FaultLadder:
             raise EnnGuardError(f"enn: {what} in cache-loaded graph {self.record.id}, and its eager copy could not be "
                                 f"rebuilt: {type(exc).__name__}: {exc}") from exc
 
-    def _build(self, **how: Any) -> Callable[[list], Any]:
-        """``compiler.build(**how)`` while a call is in flight: outside the dispatch modes torch
-        entered around the call (compat.outside_dispatch_modes says which and why)."""
-        with compat.outside_dispatch_modes():
-            return self.compiler.build(**how)
-
     def _adopt(self, new: Callable[[list], Any]) -> None:
         """Make ``new`` the fast path. The artifact first compiled is no longer the graph's: it
         must not reach AOTAutograd's cache (enn_backend.aot_cache) if that saves it later."""
@@ -193,7 +187,7 @@ class FaultLadder:
 
         def still_faulty(pins: frozenset[str]) -> bool:
             # a pin set found fault-free before re-runs its kept artifact (localize confirms)
-            compiled = trial_cache.pop(pins, None) or self._build(extra_pins=pins, quiet=True)
+            compiled = trial_cache.pop(pins, None) or self.compiler.build(extra_pins=pins, quiet=True)
             self._restore(call)
             try:
                 out = compiled(list(call.inputs))
@@ -218,7 +212,7 @@ class FaultLadder:
 
         def adoptable(pins: frozenset[str]) -> Any:
             kept = trial_cache.get(pins)  # a clean trial's artifact
-            return kept if kept is not None else self._build(extra_pins=pins)
+            return kept if kept is not None else self.compiler.build(extra_pins=pins)
 
         trial_cache: dict[frozenset[str], Any] = {}
         known = self.compiler.recorded_pins()
@@ -370,7 +364,7 @@ class FaultLadder:
             )
         self._count_fault()
         no_cudagraphs = self._leave_cudagraphs()
-        new = self._build(fp32=True)
+        new = self.compiler.build(fp32=True)
         self.compiler.adopt(new, fp32=True)
         self._adopt(new)
         self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)

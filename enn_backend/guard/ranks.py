@@ -285,7 +285,7 @@ class RankFollower:
                 action = f"this graph runs eagerly, as on rank {leader} (no localization here)"
             else:
                 extra, fp32 = frozenset(d["pinned"]) - c.pinned_names, d["fp32"]
-                new = self._build(extra_pins=extra, fp32=fp32) if extra or fp32 != c.fp32 else self.compiled
+                new = c.build(extra_pins=extra, fp32=fp32) if extra or fp32 != c.fp32 else self.compiled
                 c.adopt(new, pins=extra, fp32=fp32)
                 rebuilt = "1 recompile" if new is not self.compiled else "no recompile (the pins were already here)"
                 action = (f"adopted rank {leader}'s decision: {len(c.pinned_names)} op(s) pinned"
