@@ -44,7 +44,11 @@ def test_only_due_calls_leave_the_fast_path(monkeypatch):
     assert slow == [1, 2, 3, 10, 20, 25, 30, 40, 50, 60], slow
     assert sampled == [1, 25, 50], sampled  # the Dynamo-graph reference: the first call, every 25th
     (g,) = enn_backend.report().to_dict()["graphs"]
-    assert g["counters"]["calls"] == 60 and g["counters"]["checks"] == 10 and g["counters"]["value_checks"] == 3
+    # calls 25 and 50, and the first call unless the graph came from AOTAutograd's cache (an
+    # earlier test in this process may have compiled the same model: checked when compiled)
+    value_checks = 2 if g.get("from_cache") else 3
+    assert g["counters"]["calls"] == 60 and g["counters"]["checks"] == 10
+    assert g["counters"]["value_checks"] == value_checks, (g["counters"], g.get("from_cache"))
 
 
 def test_restarting_the_warm_up_checks_the_next_calls(monkeypatch):
