@@ -63,9 +63,9 @@ def is_pinnable(n: fx.Node) -> bool:
 
 def _is_tensors(t: Any) -> bool:
     """A schema return type that is ``Tensor`` or ``Tensor[]`` (not ``Tensor?``, ``SymInt``, ...)."""
-    if isinstance(t, torch._C.ListType):
+    if isinstance(t, torch.ListType):
         t = t.getElementType()
-    return isinstance(t, torch._C.TensorType)
+    return isinstance(t, torch.TensorType)
 
 
 def candidate_nodes(gm: fx.GraphModule) -> list[fx.Node]:
