@@ -57,3 +57,34 @@ def test_fsdp2_clean_and_nan_on_one_rank():
     for r in results:
         assert not any(r["runs"]["enn"]["pinned"].values()) and r["runs"]["enn"]["fallbacks"] == []
     _adopted(results, "enn nan@rank0")
+
+
+def test_ranks_on_different_devices_name_their_graphs_alike():
+    """Rank 1 runs on cuda:1 the graph rank 0 runs on cuda:0: its code names another device
+    index (HF's position ids, ``arange(..., device=...)``), yet the ranks must recognise it as the
+    same graph, or a follower runs eagerly instead of adopting the leader's pins (seen on 2 GPUs
+    over NCCL). A graph on another kind of device stays another graph."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from enn_backend.guard.kernel_entry import graph_key
+
+    def traced(device: torch.device):
+        def f(x):
+            return x.to(device) + torch.arange(4, device=device)
+
+        gm = make_fx(f)(torch.zeros(4))
+        assert "index" in gm.code or device.index is None
+        return gm
+
+    def on_cuda(index: int) -> str:  # the same graph written for cuda:index (codegen only: nothing runs)
+        gm = traced(torch.device("cpu", 1))
+        for node in gm.graph.nodes:
+            if "device" in node.kwargs:
+                node.kwargs = {**node.kwargs, "device": torch.device("cuda", index)}
+        gm.recompile()
+        assert f"index={index}" in gm.code
+        return graph_key(gm)
+
+    cpu0, cpu1 = graph_key(traced(torch.device("cpu", 0))), graph_key(traced(torch.device("cpu", 1)))
+    assert cpu0 == cpu1
+    assert on_cuda(0) == on_cuda(1) != cpu0

@@ -123,9 +123,16 @@ def node_key(n: fx.Node) -> str | None:
     return "|".join((node_op_name(n), backend, device_capability(t.device), str(t.dtype).removeprefix("torch."), shape))
 
 
+# a device's index in a graph's code: `device(type='cuda', index=1)`, `'cuda:1'`
+_DEVICE_INDEX = re.compile(r"(device\(type='\w+'), index=\d+\)|('\w+):\d+'")
+
+
 def graph_key(gm: fx.GraphModule) -> str:
-    """A key for a whole graph (used for fp32 pins): a hash of its code."""
-    return "graph|" + hashlib.sha256(gm.code.encode()).hexdigest()[:20]
+    """A key for a whole graph: a hash of its code, device indices left out. It names the
+    graph in fp32 pins and in the ranks' exchanges (guard.ranks), where rank 1 runs on
+    ``cuda:1`` the graph that rank 0 runs on ``cuda:0``: the same code, the same key."""
+    code = _DEVICE_INDEX.sub(lambda m: f"{m[1]})" if m[1] else f"{m[2]}'", gm.code)
+    return "graph|" + hashlib.sha256(code.encode()).hexdigest()[:20]
 
 
 def entry_artifact(file_name: str, e: KernelEntry) -> tuple[str, bytes]:
