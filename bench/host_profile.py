@@ -92,6 +92,23 @@ def profile_one(step: Callable[[], Any], steps: int, device: str) -> tuple[float
     return wall, pstats.Stats(prof)
 
 
+def _kernels(step: Callable[[], Any], steps: int = 5) -> dict[str, tuple[float, float]]:
+    """Device kernels of a step: name -> (launches per step, ms per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and not getattr(ev, "is_user_annotation", False):
+            t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0.0)
+            out[ev.key] = (ev.count / steps, t / 1e3 / steps)
+    return out
+
+
 def _per_function(stats: pstats.Stats, steps: int) -> dict[str, tuple[float, float]]:
     """function -> (tottime, cumtime) per step, in microseconds."""
     out = {}
@@ -119,6 +136,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=60, help="steps before the profile (past the guard's warm-up)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also count device kernels per step (torch.profiler) and list those enn and Inductor launch differently")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from enn_backend.bench.backends import compile_with
@@ -128,7 +147,7 @@ def main() -> None:
     for w in args.workloads:
         make, model, ro = _workload(w, args.device, args.size)
         variants = _variants(ro and args.device == "cuda")
-        walls, per_fn, enn_us = {}, {}, {}
+        walls, per_fn, enn_us, kernels = {}, {}, {}, {}
         for name, kw in variants.items():
             torch._dynamo.reset()
             step = make(compile_with(model, kw))
@@ -138,6 +157,8 @@ def main() -> None:
             wall, stats = profile_one(step, args.steps, args.device)
             walls[name], per_fn[name], enn_us[name] = wall * 1e3, _per_function(stats, args.steps), \
                 _enn_self(stats, args.steps)
+            if args.kernels and args.device == "cuda":
+                kernels[name] = _kernels(step)
         print(f"\n## {w} ({args.device}, {args.steps} profiled steps after {args.warmup}; wall includes cProfile's cost)\n")
         print("| variant | wall ms / step | enn's own Python (self time), us / step |\n|---|---|---|")
         for name in variants:
@@ -155,7 +176,19 @@ def main() -> None:
             print(f"\n{enn_name}: enn_backend functions by cumulative time per step (us):\n")
             for ct, k in enn_fns:
                 print(f"  {ct:9.1f}  {k}")
-        results[w] = {"wall_ms": walls, "enn_python_us": enn_us}
+        for enn_name, base_name in (("enn", "inductor"), ("enn guard=off", "inductor")):
+            if enn_name in kernels:
+                a, b = kernels[enn_name], kernels[base_name]
+                print(f"\ndevice kernels per step: {enn_name} {sum(c for c, _ in a.values()):.1f} "
+                      f"({sum(t for _, t in a.values()):.3f} ms), {base_name} {sum(c for c, _ in b.values()):.1f} "
+                      f"({sum(t for _, t in b.values()):.3f} ms); the kernels they launch differently "
+                      "(name: calls, ms per step):\n")
+                for k in sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, (0, 0))[1] - b.get(k, (0, 0))[1])):
+                    if a.get(k, (0, 0))[0] != b.get(k, (0, 0))[0]:
+                        print(f"  {k[:100]}: {enn_name} {a.get(k, (0, 0))[0]:g} ({a.get(k, (0, 0))[1]:.3f}), "
+                              f"{base_name} {b.get(k, (0, 0))[0]:g} ({b.get(k, (0, 0))[1]:.3f})")
+        results[w] = {"wall_ms": walls, "enn_python_us": enn_us,
+                      "kernels": {n: {k: list(v) for k, v in ks.items()} for n, ks in kernels.items()}}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_profile.json"), "w") as fh:
