@@ -115,3 +115,33 @@ def test_same_values_of_empty_and_integer_tensors():
     assert same_values(torch.empty(0), torch.empty(0))
     assert not same_values(torch.empty(0), torch.empty(1))
     assert same_values(torch.arange(3), torch.arange(3)) and not same_values(torch.arange(3), torch.arange(1, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_device_screen_flags_nan_and_inf_but_not_an_overflowing_sum(dtype):
+    """The steady-state screen on a GPU is read back after its call returned, with no exact
+    re-check behind it, so its flag must be exact: a NaN or an infinity anywhere, and nothing for
+    finite outputs whose magnitudes sum beyond fp32's range (a ``finfo.min`` mask in bf16, as
+    BLOOM and T5 return for their backward, made every such screen a false NaN/Inf report)."""
+    from enn_backend.guard.screen import nonfinite_flag
+
+    low = torch.finfo(dtype).min
+    mask = torch.full((4, 64), low, dtype=dtype)
+    mask[:, :8] = 0
+    others = [torch.randn(3, 5).to(dtype), mask.clone()]
+
+    def flag(*outs):
+        return bool(nonfinite_flag(list(outs), list(range(len(outs)))))
+
+    assert not flag(mask, *others)  # L1 beyond fp32's range, every value finite
+    big = torch.finfo(dtype).max
+    assert not flag(torch.tensor([big, -big] * 32, dtype=dtype))  # a signed sum could make inf - inf
+    assert not flag(others[0])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        broken = mask.clone()
+        broken[2, 3] = bad
+        assert flag(mask, broken, *others), bad
+        assert flag(broken), bad
+    nan_and_inf = others[0].clone()
+    nan_and_inf[0, 0], nan_and_inf[1, 1] = float("nan"), float("inf")
+    assert flag(nan_and_inf, mask)

@@ -237,6 +237,6 @@ class GuardedGraph(RankFollower, FaultLadder):
         self.since_build = 0
         report().add_fallback(
             FallbackKind.NONFINITE_LATE, node="<graph>", phase=self.record.phase, graph=self.record,
-            reason=f"NaN/Inf (or a sum beyond fp32's range) in the outputs of call {late.call}, found by the "
+            reason=f"NaN/Inf in the outputs of call {late.call}, found by the "
                    "steady-state screen, which is read back without a device sync, after that call returned",
             action="that call's outputs were returned as computed; every call is checked again (warm-up restarts)")

@@ -41,26 +41,44 @@ def _split(flat: list, allowed: dict[int, str]) -> tuple[list[int], list[int]]:
     return full, partial
 
 
-def _totals(flat: list, idx: list[int]) -> list[torch.Tensor]:
-    """One fp32 L1 norm per output, summed per device and dtype (NaN + x = NaN, Inf - Inf = NaN):
-    a finite total means every output is finite. On CUDA one _foreach_norm launches a few
-    kernels for all outputs of a dtype instead of one kernel per output."""
+def _totals(flat: list, idx: list[int], ord: float | None = None) -> list[torch.Tensor]:
+    """One fp32 total per output, combined per device and dtype (NaN + x = NaN, Inf - Inf = NaN):
+    a finite total means every output is finite. By default the cheapest such total: the L1 norm
+    on CUDA, where one _foreach_norm launches a few kernels for all outputs of a dtype instead of
+    one kernel per output, the sum on CPU. ``ord``: that vector norm on every device, the largest
+    of a group's norms for ``ord=inf``."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for i in idx:
         groups.setdefault((flat[i].device, flat[i].dtype), []).append(flat[i])
     totals = []
     for (device, _), ts in groups.items():
         if device.type == "cuda":
-            parts = torch._foreach_norm(ts, 1, dtype=torch.float32)
-        else:
+            parts = torch._foreach_norm(ts, 1 if ord is None else ord, dtype=torch.float32)
+        elif ord is None:
             parts = [t.sum(dtype=torch.float32) for t in ts]
-        totals.append(_sum(parts))
+        else:
+            parts = [torch.linalg.vector_norm(t, ord, dtype=torch.float32) for t in ts]
+        totals.append(_peak(parts) if ord == INF else _sum(parts))
     return totals
 
 
 def _sum(ts: list[torch.Tensor]) -> torch.Tensor:
     """The sum of 0-dim tensors (a single one as it is: a screen's every op is host time)."""
     return ts[0] if len(ts) == 1 else torch.stack(ts).sum()
+
+
+def _peak(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The largest of 0-dim tensors (a single one as it is)."""
+    return ts[0] if len(ts) == 1 else torch.stack(ts).amax()
+
+
+def nonfinite_flag(flat: list, full: list[int]) -> torch.Tensor:
+    """A 0-dim bool tensor, computed where the outputs are (no host sync): True exactly when an
+    output of ``full`` holds a NaN or an infinity. The L1 total carries a NaN (magnitudes are
+    never negative, so no inf - inf makes one); the largest magnitude is infinite exactly when
+    an output holds an infinity. An L1 total that only overflows fp32 -- a bf16 ``finfo.min``
+    mask, summed (BLOOM, T5) -- flags nothing."""
+    return torch.isnan(_sum(_totals(flat, full, ord=1))) | torch.isinf(_peak(_totals(flat, full, ord=INF)))
 
 
 def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[int]:
@@ -97,7 +115,7 @@ class LateScreen:
     def __init__(self, outs: Any, allowed: dict[int, str], host: torch.Tensor, call: int) -> None:
         flat = outputs(outs)
         full, partial = _split(flat, allowed)
-        flags = [~torch.isfinite(_sum(_totals(flat, full)))] if full else []
+        flags = [nonfinite_flag(flat, full)] if full else []
         flags += [_FLAGGED[allowed[i]](flat[i]).any() for i in partial]
         self.call, self.host, self.event = call, host, None
         if flags:
