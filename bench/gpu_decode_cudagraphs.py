@@ -32,6 +32,12 @@ VARIANTS = {
     "enn": dict(backend="enn"),
     "enn reduce-overhead": dict(backend="enn", options=RO),
 }
+# --guard-variants: where enn's time under CUDA graphs goes, the guard's parts one by one (as bench/host_tax.py)
+GUARD_VARIANTS = {
+    "enn reduce-overhead, screens only": dict(backend="enn", options={**RO, "guard_values": 0}),
+    "enn reduce-overhead, fast path only": dict(backend="enn", options={**RO, "guard_every": 10**9, "guard_values": 0}),
+    "enn reduce-overhead, guard off": dict(backend="enn", options={**RO, "guard": "off"}),
+}
 
 
 def build(batch: int, tokens: int):
@@ -53,8 +59,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1)
+    ap.add_argument("--guard-variants", action="store_true",
+                    help="also time enn reduce-overhead with screens only, the guard's fast path only, and guard off")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
+    variants = {**VARIANTS, **(GUARD_VARIANTS if args.guard_variants else {})}
+    torch._dynamo.config.recompile_limit = 64  # one module, compiled once per variant
     model, ids = build(args.batch, args.tokens)
 
     def logits(f):
@@ -63,7 +73,7 @@ def main() -> None:
 
     want = logits(model).float()
     fns, compiled = {}, {}
-    for name, kw in VARIANTS.items():
+    for name, kw in variants.items():
         f = model if kw is None else compile_with(model, kw)
         compiled[name] = f
         got = logits(f).float()
