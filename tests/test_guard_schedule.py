@@ -117,8 +117,10 @@ def test_same_values_of_empty_and_integer_tensors():
     assert same_values(torch.arange(3), torch.arange(3)) and not same_values(torch.arange(3), torch.arange(1, 4))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_device_screen_flags_nan_and_inf_but_not_an_overflowing_sum(dtype):
+def test_device_screen_flags_nan_and_inf_but_not_an_overflowing_sum(dtype, device):
     """The steady-state screen on a GPU is read back after its call returned, with no exact
     re-check behind it, so its flag must be exact: a NaN or an infinity anywhere, and nothing for
     finite outputs whose magnitudes sum beyond fp32's range (a ``finfo.min`` mask in bf16, as
@@ -126,16 +128,21 @@ def test_device_screen_flags_nan_and_inf_but_not_an_overflowing_sum(dtype):
     from enn_backend.guard.screen import nonfinite_flag
 
     low = torch.finfo(dtype).min
-    mask = torch.full((4, 64), low, dtype=dtype)
+    mask = torch.full((4, 64), low, dtype=dtype, device=device)
     mask[:, :8] = 0
-    others = [torch.randn(3, 5).to(dtype), mask.clone()]
+    others = [torch.randn(3, 5).to(dtype=dtype, device=device), mask.clone()]
 
     def flag(*outs):
         return bool(nonfinite_flag(list(outs), list(range(len(outs)))))
 
     assert not flag(mask, *others)  # L1 beyond fp32's range, every value finite
     big = torch.finfo(dtype).max
-    assert not flag(torch.tensor([big, -big] * 32, dtype=dtype))  # a signed sum could make inf - inf
+    assert not flag(torch.tensor([big, -big] * 32, dtype=dtype, device=device))  # a signed sum: inf - inf
+    large = torch.randn(4096, 1024, dtype=dtype, device=device)  # many blocks of a reduction
+    for at in (0, large.numel() // 2, large.numel() - 1):
+        one = large.clone()
+        one.view(-1)[at] = float("nan")
+        assert flag(others[0], one), at  # a single NaN anywhere
     assert not flag(others[0])
     for bad in (float("nan"), float("inf"), -float("inf")):
         broken = mask.clone()

@@ -74,11 +74,10 @@ def _peak(ts: list[torch.Tensor]) -> torch.Tensor:
 
 def nonfinite_flag(flat: list, full: list[int]) -> torch.Tensor:
     """A 0-dim bool tensor, computed where the outputs are (no host sync): True exactly when an
-    output of ``full`` holds a NaN or an infinity. The L1 total carries a NaN (magnitudes are
-    never negative, so no inf - inf makes one); the largest magnitude is infinite exactly when
-    an output holds an infinity. An L1 total that only overflows fp32 -- a bf16 ``finfo.min``
-    mask, summed (BLOOM, T5) -- flags nothing."""
-    return torch.isnan(_sum(_totals(flat, full, ord=1))) | torch.isinf(_peak(_totals(flat, full, ord=INF)))
+    output of ``full`` holds a NaN or an infinity. It reads the largest magnitude (a max
+    reduction carries NaN, as ``amax`` does), which is finite for finite values: unlike a sum,
+    it never overflows -- the L1 total of a bf16 ``finfo.min`` mask (BLOOM, T5) does."""
+    return ~torch.isfinite(_peak(_totals(flat, full, ord=INF)))
 
 
 def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[int]:
