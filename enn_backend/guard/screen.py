@@ -41,24 +41,24 @@ def _split(flat: list, allowed: dict[int, str]) -> tuple[list[int], list[int]]:
     return full, partial
 
 
-def _totals(flat: list, idx: list[int], ord: float | None = None) -> list[torch.Tensor]:
+def _totals(flat: list, idx: list[int], peak: bool = False) -> list[torch.Tensor]:
     """One fp32 total per output, combined per device and dtype (NaN + x = NaN, Inf - Inf = NaN):
-    a finite total means every output is finite. By default the cheapest such total: the L1 norm
-    on CUDA, where one _foreach_norm launches a few kernels for all outputs of a dtype instead of
-    one kernel per output, the sum on CPU. ``ord``: that vector norm on every device, the largest
-    of a group's norms for ``ord=inf``."""
+    a finite total means every output is finite. By default the cheapest: the L1 norm on CUDA,
+    where one _foreach_norm launches a few kernels for all outputs of a dtype instead of one
+    kernel per output, the sum on CPU; either can overflow fp32 on finite values, which the
+    caller then checks exactly. ``peak``: the largest magnitude, which never overflows."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for i in idx:
         groups.setdefault((flat[i].device, flat[i].dtype), []).append(flat[i])
     totals = []
     for (device, _), ts in groups.items():
         if device.type == "cuda":
-            parts = torch._foreach_norm(ts, 1 if ord is None else ord, dtype=torch.float32)
-        elif ord is None:
-            parts = [t.sum(dtype=torch.float32) for t in ts]
+            parts = torch._foreach_norm(ts, INF if peak else 1, dtype=torch.float32)
+        elif peak:
+            parts = [torch.linalg.vector_norm(t, INF, dtype=torch.float32) for t in ts]
         else:
-            parts = [torch.linalg.vector_norm(t, ord, dtype=torch.float32) for t in ts]
-        totals.append(_peak(parts) if ord == INF else _sum(parts))
+            parts = [t.sum(dtype=torch.float32) for t in ts]
+        totals.append(_peak(parts) if peak else _sum(parts))
     return totals
 
 
@@ -77,7 +77,7 @@ def nonfinite_flag(flat: list, full: list[int]) -> torch.Tensor:
     output of ``full`` holds a NaN or an infinity. It reads the largest magnitude (a max
     reduction carries NaN, as ``amax`` does), which is finite for finite values: unlike a sum,
     it never overflows -- the L1 total of a bf16 ``finfo.min`` mask (BLOOM, T5) does."""
-    return ~torch.isfinite(_peak(_totals(flat, full, ord=INF)))
+    return ~torch.isfinite(_peak(_totals(flat, full, peak=True)))
 
 
 def nonfinite_outputs(outs: Any, allowed: dict[int, str] | None = None) -> list[int]:
