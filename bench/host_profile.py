@@ -23,6 +23,7 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -109,6 +110,21 @@ def _kernels(step: Callable[[], Any], steps: int = 5) -> dict[str, tuple[float, 
     return out
 
 
+def _cpu_ops(step: Callable[[], Any], steps: int = 10) -> dict[str, tuple[float, float]]:
+    """Host side of a step: operator / runtime call name -> (calls per step, self CPU us per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    out: dict[str, tuple[float, float]] = {}
+    for ev in prof.key_averages():  # (a compiled graph's name is its hash: the same for both backends here)
+        key = re.sub(r"\b[a-z0-9]{40,}\b", "<hash>", ev.key)
+        calls, us = out.get(key, (0.0, 0.0))
+        out[key] = (calls + ev.count / steps, us + ev.self_cpu_time_total / steps)
+    return out
+
+
 def _per_function(stats: pstats.Stats, steps: int) -> dict[str, tuple[float, float]]:
     """function -> (tottime, cumtime) per step, in microseconds."""
     out = {}
@@ -138,6 +154,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--kernels", action="store_true",
                     help="also count device kernels per step (torch.profiler) and list those enn and Inductor launch differently")
+    ap.add_argument("--cpu-ops", action="store_true",
+                    help="also compare the host time of every operator and CUDA runtime call per step (torch.profiler, CPU)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     from enn_backend.bench.backends import compile_with
@@ -147,7 +165,7 @@ def main() -> None:
     for w in args.workloads:
         make, model, ro = _workload(w, args.device, args.size)
         variants = _variants(ro and args.device == "cuda")
-        walls, per_fn, enn_us, kernels = {}, {}, {}, {}
+        walls, per_fn, enn_us, kernels, cpu_ops = {}, {}, {}, {}, {}
         for name, kw in variants.items():
             torch._dynamo.reset()
             step = make(compile_with(model, kw))
@@ -159,6 +177,8 @@ def main() -> None:
                 _enn_self(stats, args.steps)
             if args.kernels and args.device == "cuda":
                 kernels[name] = _kernels(step)
+            if args.cpu_ops:
+                cpu_ops[name] = _cpu_ops(step)
         print(f"\n## {w} ({args.device}, {args.steps} profiled steps after {args.warmup}; wall includes cProfile's cost)\n")
         print("| variant | wall ms / step | enn's own Python (self time), us / step |\n|---|---|---|")
         for name in variants:
@@ -187,7 +207,17 @@ def main() -> None:
                     if a.get(k, (0, 0))[0] != b.get(k, (0, 0))[0]:
                         print(f"  {k[:100]}: {enn_name} {a.get(k, (0, 0))[0]:g} ({a.get(k, (0, 0))[1]:.3f}), "
                               f"{base_name} {b.get(k, (0, 0))[0]:g} ({b.get(k, (0, 0))[1]:.3f})")
-        results[w] = {"wall_ms": walls, "enn_python_us": enn_us,
+        for enn_name, base_name in (("enn", "inductor"), ("enn guard=off", "inductor")):
+            if enn_name in cpu_ops:
+                a, b = cpu_ops[enn_name], cpu_ops[base_name]
+                print(f"\nhost time of operators and runtime calls per step (torch.profiler, self CPU us): {enn_name} "
+                      f"{sum(t for _, t in a.values()):.0f}, {base_name} {sum(t for _, t in b.values()):.0f}; "
+                      "largest differences (name: calls and us per step):\n")
+                diff = sorted(set(a) | set(b), key=lambda k: -abs(a.get(k, (0, 0))[1] - b.get(k, (0, 0))[1]))
+                for k in diff[:args.top]:
+                    (ca, ta), (cb, tb) = a.get(k, (0, 0)), b.get(k, (0, 0))
+                    print(f"  {ta - tb:+8.1f}  {k[:90]}: {enn_name} {ca:g} x, {ta:.1f} us; {base_name} {cb:g} x, {tb:.1f} us")
+        results[w] = {"wall_ms": walls, "cpu_ops": cpu_ops, "enn_python_us": enn_us,
                       "kernels": {n: {k: list(v) for k, v in ks.items()} for n, ks in kernels.items()}}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
