@@ -1,0 +1,80 @@
+"""A kernel's NaN that the model itself turns finite downstream, in third-party code.
+
+HF LLaMA with its default SDPA attention: a NaN in the key projection reaches the attention
+kernel, which reads a row of NaN scores as fully masked and returns zeros (ATen's CPU flash
+kernel does). The logits are then finite and wrong. The guard must judge its localization
+trials by value, not by "no NaN left", and must compare values in graphs whose SDPA call has
+dropout off (the op is tagged random for its optional dropout, which at p=0 draws nothing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import enn_backend
+from enn_backend.guard.graph_edit import has_random_ops
+
+transformers = pytest.importorskip("transformers")
+
+
+def test_attention_kernel_turns_nan_keys_into_zeros():
+    """The premise, as this torch computes it: what the guard must not take for a recovery."""
+    q, v = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    k = torch.full((1, 2, 1, 8), float("nan"))
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[0]
+    assert torch.isfinite(out).all()
+
+
+def _one_op_graph(op, *args, **kwargs) -> torch.fx.GraphModule:
+    """A graph of one call (built, not run: CUDA kernels' nodes on any machine)."""
+    g = torch.fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    args = tuple({"q": q, "k": k, "v": v}.get(a, a) if isinstance(a, str) else a for a in args)
+    g.output(g.call_function(op, args, kwargs))
+    return torch.fx.GraphModule({}, g)
+
+
+@pytest.mark.parametrize("p, drawn", [(None, False), (0.0, False), (0, False), (0.1, True)])
+def test_sdpa_draws_random_numbers_only_with_dropout(p, drawn):
+    aten = torch.ops.aten
+    calls = [  # dropout_p positional, as a keyword, and left at its default (None)
+        (aten._scaled_dot_product_flash_attention_for_cpu.default, ("q", "k", "v") + (() if p is None else (p,)), {}),
+        (aten._scaled_dot_product_efficient_attention.default, ("q", "k", "v", None, True),
+         {} if p is None else {"dropout_p": p}),
+        (aten._scaled_dot_product_cudnn_attention.default, ("q", "k", "v", None, True) + (() if p is None else (p,)), {}),
+        (aten._scaled_dot_product_flash_attention.default, ("q", "k", "v") + (() if p is None else (p,)), {}),
+    ]
+    for op, args, kwargs in calls:
+        assert torch.Tag.nondeterministic_seeded in op.tags  # why the question arises at all
+        assert has_random_ops(_one_op_graph(op, *args, **kwargs)) is drawn, op
+    q = torch.randn(1, 2, 4, 8)
+    assert has_random_ops(make_fx(lambda q: q + torch.rand_like(q))(q))
+    assert has_random_ops(make_fx(lambda q: F.dropout(q, 0.1))(q))
+
+
+@pytest.mark.parametrize("options", [{}, {"guard_values": 0}], ids=["defaults", "no-value-checks"])
+def test_nan_hidden_by_attention_is_localized_by_value(options):
+    """Every step equals eager, the faulting one included; with the value checks off
+    (``guard_values=0``) the localization's own judgment is all that stands in the way."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=1, vocab_size=128, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    cfg.use_cache = False
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (8, 1))  # one token: the CPU flash kernel runs it (see the first test)
+    compiled = torch.compile(model, backend="enn", options={"fault_inject": "aten.mm:nan:fwd", "persist": False,
+                                                            "repro": False, **options})
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        for step in range(3):
+            got = compiled(input_ids=ids).logits
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+    rep = enn_backend.report().to_dict()
+    faults = [f for f in rep["fallbacks"] if f["kind"] == "nonfinite"]
+    assert faults and "pinned" in faults[0]["action"], rep["fallbacks"]
+    (graph,) = rep["graphs"]
+    assert graph["path"] == "inductor" and len(graph["pinned"]) > 0  # the rest stays compiled
