@@ -295,28 +295,12 @@ def mutated_input_indices(gm: fx.GraphModule) -> list[int]:
 
 
 def has_random_ops(gm: fx.GraphModule) -> bool:
-    """Does the graph draw random numbers? The guard re-runs such a graph with the RNG restored,
-    and does not compare its values with eager's (the draws differ by design)."""
     for n in gm.graph.nodes:
         tags = getattr(n.target, "tags", ())
-        if torch.Tag.nondeterministic_seeded in tags and not _no_dropout(n):
+        if torch.Tag.nondeterministic_seeded in tags:
             return True
         if "seed" in str(n.target) or "rand" in str(n.target):
             return True
-    return False
-
-
-def _no_dropout(n: fx.Node) -> bool:
-    """An op tagged random only for an optional dropout, called with ``dropout_p`` 0: SDPA and its
-    kernels, as every model calls them in eval mode and HF's attention with dropout off. They draw
-    nothing then (the kernels take the RNG only when dropout_p > 0)."""
-    schema = getattr(n.target, "_schema", None)
-    if schema is None:
-        return False
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == "dropout_p":
-            p = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", arg.default_value)
-            return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
     return False
 
 
