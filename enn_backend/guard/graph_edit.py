@@ -58,7 +58,10 @@ def is_pinnable(n: fx.Node) -> bool:
         return False  # in-place / out= / view ops
     if not all(_is_tensors(r.type) for r in target._schema.returns):
         return False  # enn::pinned returns tensors only: not the SymInts of CUDA flash / cuDNN SDPA
-    return bool(_tensors_in(_val(n)))
+    val = _val(n)
+    if isinstance(val, (list, tuple)) and any(v is None for v in val):
+        return False  # an undefined tensor among the results (SDPA backward's bias gradient without a bias)
+    return bool(_tensors_in(val))
 
 
 def _is_tensors(t: Any) -> bool:
