@@ -118,8 +118,13 @@ def _run(spec: str, tensors: list, ints: list) -> list[torch.Tensor]:
     kwargs = {k: _fill(v, tensors, ints) for k, v in data["kwargs"].items()}
     out = SAFE_PATHS.get(data["op"], op)(*args, **kwargs)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    # A custom op may not return an alias of its inputs: views are materialized.
+    # A custom op may not return an alias of its inputs: views are materialized. Nor an
+    # undefined tensor (SDPA's memory-efficient backward gives no bias gradient without a
+    # bias): an empty one stands in, in a result no node reads (graph_edit.is_pinnable).
     aliasing = [r.alias_info is not None for r in op._schema.returns]
+    if any(o is None for o in outs):
+        like = next(t for t in tensors if t is not None)
+        outs = [like.new_empty(0) if o is None else o for o in outs]
     return [o.clone() if (i < len(aliasing) and aliasing[i]) else o for i, o in enumerate(outs)]
 
 

@@ -1,22 +1,22 @@
 """A kernel's NaN that the model itself turns finite downstream, in third-party code.
 
-HF LLaMA with its default SDPA attention: a NaN in the key projection reaches ATen's attention
-kernel, which reads a row of NaN scores as fully masked and returns zeros. The logits are then
-finite and wrong. Two things let that through today (a known open bug, see the xfail below):
-the localization judges its trials by "no NaN left", so it adopts a pin set that leaves the
-faulty kernel in place; and a graph with an SDPA call counts as random (ATen tags the kernels for
-their optional dropout, drawn only when dropout_p > 0), so its values are never compared with
-eager's. Judging trials by value and treating dropout_p == 0 as not random fixes it on CPU, but
-made value checks fail in fp32 CUDA graphs on the H100, so it is not in.
+HF LLaMA with its default SDPA attention: a NaN in the key projection reaches the attention
+kernel, which reads a row of NaN scores as fully masked and returns zeros (ATen's CPU flash
+kernel does). The logits are then finite and wrong. The guard judges its localization trials by
+value (arbitrated by fp64), not by "no NaN left", and compares values in graphs whose SDPA call
+has dropout off (the op is tagged random for its optional dropout, which at p=0 draws nothing).
 """
 
 from __future__ import annotations
 
+import operator
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import enn_backend
-from enn_backend.guard.graph_edit import is_pinnable
+from enn_backend.guard.graph_edit import has_random_ops, is_pinnable
 
 transformers = pytest.importorskip("transformers")
 
@@ -29,10 +29,37 @@ def test_attention_kernel_turns_nan_keys_into_zeros():
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.xfail(strict=True, reason="open bug: localization trials are judged by 'no NaN left', and graphs "
-                                       "with an SDPA call are not value-checked (see the module docstring)")
-def test_nan_hidden_by_attention_is_localized_by_value():
-    """Every step equals eager, the faulting one included."""
+def _one_op_graph(op, *args, **kwargs) -> torch.fx.GraphModule:
+    """A graph of one call (built, not run: CUDA kernels' nodes on any machine)."""
+    g = torch.fx.Graph()
+    q, k, v = (g.placeholder(n) for n in "qkv")
+    args = tuple({"q": q, "k": k, "v": v}.get(a, a) if isinstance(a, str) else a for a in args)
+    g.output(g.call_function(op, args, kwargs))
+    return torch.fx.GraphModule({}, g)
+
+
+@pytest.mark.parametrize("p, drawn", [(None, False), (0.0, False), (0, False), (0.1, True)])
+def test_sdpa_draws_random_numbers_only_with_dropout(p, drawn):
+    aten = torch.ops.aten
+    calls = [  # dropout_p positional, as a keyword, and left at its default (None)
+        (aten._scaled_dot_product_flash_attention_for_cpu.default, ("q", "k", "v") + (() if p is None else (p,)), {}),
+        (aten._scaled_dot_product_efficient_attention.default, ("q", "k", "v", None, True),
+         {} if p is None else {"dropout_p": p}),
+        (aten._scaled_dot_product_cudnn_attention.default, ("q", "k", "v", None, True) + (() if p is None else (p,)), {}),
+        (aten._scaled_dot_product_flash_attention.default, ("q", "k", "v") + (() if p is None else (p,)), {}),
+    ]
+    for op, args, kwargs in calls:
+        assert torch.Tag.nondeterministic_seeded in op.tags  # why the question arises at all
+        assert has_random_ops(_one_op_graph(op, *args, **kwargs)) is drawn, op
+    q = torch.randn(1, 2, 4, 8)
+    assert has_random_ops(make_fx(lambda q: q + torch.rand_like(q))(q))
+    assert has_random_ops(make_fx(lambda q: F.dropout(q, 0.1))(q))
+
+
+@pytest.mark.parametrize("options", [{}, {"guard_values": 0}], ids=["defaults", "no-value-checks"])
+def test_nan_hidden_by_attention_is_localized_by_value(options):
+    """Every step equals eager, the faulting one included; with the value checks off
+    (``guard_values=0``) the localization's own judgment is all that stands in the way."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=1, vocab_size=128, max_position_embeddings=64,
@@ -41,30 +68,55 @@ def test_nan_hidden_by_attention_is_localized_by_value():
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(3, 128, (8, 1))  # one token: the CPU flash kernel runs it (see the first test)
     compiled = torch.compile(model, backend="enn", options={"fault_inject": "aten.mm:nan:fwd", "persist": False,
-                                                            "repro": False})
+                                                            "repro": False, **options})
     with torch.no_grad():
         want = model(input_ids=ids).logits
         for step in range(3):
             got = compiled(input_ids=ids).logits
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}: {m}")
-    assert any(f["kind"] == "nonfinite" for f in enn_backend.report().to_dict()["fallbacks"])
+    rep = enn_backend.report().to_dict()
+    faults = [f for f in rep["fallbacks"] if f["kind"] == "nonfinite"]
+    assert faults and "pinned" in faults[0]["action"], rep["fallbacks"]
+    (graph,) = rep["graphs"]
+    assert graph["path"] == "inductor" and len(graph["pinned"]) > 0  # the rest stays compiled
 
 
-def test_a_result_that_may_be_undefined_is_never_pinned():
-    """SDPA's memory-efficient backward returns no bias gradient without a bias (an undefined
-    tensor, None in the node's value), which enn::pinned (tensors only) cannot return: pinning it
-    failed the whole localization with a cast error (seen on the H100)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    g = torch.fx.Graph()
+def _efficient_attention_backward(read_bias_grad: bool) -> torch.fx.GraphModule:
+    """SDPA's memory-efficient backward without a bias, traced with fake tensors (the kernel is
+    CUDA's; its fake kernel runs anywhere). ``read_bias_grad``: a node reads the undefined bias
+    gradient (made by hand: a trace writes None into the output instead)."""
     op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
-    ins = [g.placeholder(n) for n in ("grad", "q", "k", "v", "out", "lse", "seed", "offset")]
-    node = g.call_function(op, (ins[0], ins[1], ins[2], ins[3], None, ins[4], ins[5], ins[6], ins[7], 0.0,
-                                [True, True, True, False]))
-    g.output(node)
-    with FakeTensorMode():
-        t = torch.empty(1, 2, 4, 8)
-        node.meta["val"] = (t, t, t, None)
-        assert not is_pinnable(node)
-        node.meta["val"] = (t, t, t, t)
-        assert is_pinnable(node)  # with a bias gradient, it can be pinned
+
+    def backward(grad, q, k, v, out, lse, seed, offset):
+        return op(grad, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False])[:3]
+
+    grad, q, k, v, out = (torch.randn(1, 2, 4, 8) for _ in range(5))
+    lse, seed, offset = torch.randn(1, 2, 32), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    gm = make_fx(backward, tracing_mode="fake")(grad, q, k, v, out, lse, seed, offset)
+    if read_bias_grad:
+        (node,) = [n for n in gm.graph.nodes if n.target is op]
+        with gm.graph.inserting_after(node):
+            bias_grad = gm.graph.call_function(operator.getitem, (node, 3))
+        out_node = gm.graph.output_node()
+        out_node.args = (tuple(out_node.args[0]) + (bias_grad,),)
+    return gm
+
+
+def test_a_result_that_is_undefined_is_pinned_when_nothing_reads_it():
+    """SDPA's memory-efficient backward returns no bias gradient without a bias (an undefined
+    tensor, None in the node's value), which enn::pinned (tensors only) cannot return: pinning
+    it failed the whole localization with a cast error (seen on the H100), and left that kernel,
+    when enn emitted it, unpinned in the guard's eager reference. enn::pinned returns an empty
+    tensor in its place; a node whose undefined result is read is not pinned."""
+    from enn_backend.guard.graph_edit import pin_nodes
+
+    gm = _efficient_attention_backward(read_bias_grad=False)
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default]
+    assert node.meta["val"][3] is None and is_pinnable(node)
+    pinned = pin_nodes(gm, [node.name])
+    (p,) = [n for n in pinned.graph.nodes if n.target is torch.ops.enn.pinned.default]
+    assert [tuple(t.shape) for t in p.meta["val"]] == [(1, 2, 4, 8)] * 3 + [(0,)]
+
+    gm = _efficient_attention_backward(read_bias_grad=True)
+    (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default]
+    assert not is_pinnable(node)
