@@ -112,8 +112,26 @@ def register_safe_path(op_name: str) -> Callable[[Callable[..., Any]], Callable[
     return deco
 
 
+def _eager_layout(t: Any) -> Any:
+    """``t`` with no zero stride on a size-1 dimension: there it takes the stride a contiguous
+    tensor has (1 for the last dimension). Such a stride addresses nothing, so Inductor may give
+    a broadcast mask's size-1 dimensions stride 0, but some eager kernels check it: SDPA's
+    memory-efficient kernel refuses a bias whose last stride is not 1, even of size 1. A view:
+    nothing is copied."""
+    if not isinstance(t, torch.Tensor) or all(n != 1 or s != 0 for n, s in zip(t.shape, t.stride())):
+        return t
+    strides = list(t.stride())
+    inner = 1  # the stride a contiguous tensor has at dimension i
+    for i in reversed(range(t.dim())):
+        if t.shape[i] == 1 and strides[i] == 0:
+            strides[i] = inner
+        inner = strides[i] * t.shape[i] if strides[i] else inner * t.shape[i]
+    return t.as_strided(t.shape, strides, t.storage_offset())
+
+
 def _run(spec: str, tensors: list, ints: list) -> list[torch.Tensor]:
     op, data = _decode(spec)
+    tensors = [_eager_layout(t) for t in tensors]
     args = _fill(data["args"], tensors, ints)
     kwargs = {k: _fill(v, tensors, ints) for k, v in data["kwargs"].items()}
     out = SAFE_PATHS.get(data["op"], op)(*args, **kwargs)
@@ -128,7 +146,10 @@ def _run(spec: str, tensors: list, ints: list) -> list[torch.Tensor]:
     return [o.clone() if (i < len(aliasing) and aliasing[i]) else o for i, o in enumerate(outs)]
 
 
-@torch.library.custom_op("enn::pinned", mutates_args=())
+# Inductor hands the op its inputs with the strides they had when the graph was traced: the
+# eager kernel it runs may require them (SDPA's memory-efficient kernel refuses a bias whose last
+# dimension is not contiguous, which Inductor's own layout for the same tensor may give).
+@torch.library.custom_op("enn::pinned", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
 def pinned(spec: str, tensors: list[Optional[torch.Tensor]], ints: list[int]) -> list[torch.Tensor]:
     """Run the ATen op described by ``spec`` eagerly on ``tensors`` / ``ints``."""
     return _run(spec, tensors, ints)

@@ -15,6 +15,7 @@ without enn's rewrites -> the eager graph. Every step down is recorded.
 from __future__ import annotations
 
 import logging
+import operator
 import shlex
 import time
 from typing import Any, Callable
@@ -69,6 +70,10 @@ class GraphCompiler:
         # integers are bookkeeping, which the value check compares by dtype and shape only
         results = compat.forward_results(self.tracing_ctx) if self.phase == "forward" else None
         self.bookkeeping = frozenset(range(results, len(E.output_nodes(self.eager_gm)))) if results is not None else frozenset()
+        # of those, an attention kernel's state (its log-sum-exp, RNG seeds) is laid out by the
+        # kernel's own convention (a row with every key masked: 0, -inf or its bias, per kernel),
+        # which the safe path it is judged against reproduces for the backward only: by layout
+        self.kernel_state = frozenset(i for i in self.bookkeeping if _attention_state(E.output_nodes(self.eager_gm)[i]))
         self.pinned_names: frozenset[str] = self._pins_from_state() | self._known_miscompile_pins()
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None
@@ -281,3 +286,15 @@ def boxed_eager(gm: fx.GraphModule) -> Callable[[list], Any]:
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def _attention_state(n: object) -> bool:
+    """``n`` is a result past the first of an attention kernel enn chose (enn::attention, or an
+    SDPA kernel its pass emitted): the output is the first, the rest are the kernel's state."""
+    if not (isinstance(n, fx.Node) and n.target is operator.getitem and n.args[1] != 0):
+        return False
+    kernel = n.args[0]
+    return (isinstance(kernel, fx.Node) and isinstance(kernel.target, torch._ops.OpOverload)
+            and ((kernel.target.namespace == "enn" and "attention" in kernel.target._schema.name)
+                 or bool(kernel.meta.get(EMITTED))))
+

@@ -56,29 +56,46 @@ def test_sdpa_draws_random_numbers_only_with_dropout(p, drawn):
     assert has_random_ops(make_fx(lambda q: F.dropout(q, 0.1))(q))
 
 
-@pytest.mark.parametrize("options", [{}, {"guard_values": 0}], ids=["defaults", "no-value-checks"])
-def test_nan_hidden_by_attention_is_localized_by_value(options):
-    """Every step equals eager, the faulting one included; with the value checks off
-    (``guard_values=0``) the localization's own judgment is all that stands in the way."""
+def _hidden_nan_steps(device: str, options: dict, dtype: torch.dtype = torch.float32) -> None:
+    """HF LLaMA (SDPA attention), a NaN injected after every ``mm`` of the compiled forward: every
+    step equals eager, the faulting one included, and the fault is pinned with the rest compiled."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                    num_key_value_heads=1, vocab_size=128, max_position_embeddings=64,
                                    attn_implementation="sdpa")
     cfg.use_cache = False
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(3, 128, (8, 1))  # one token: the CPU flash kernel runs it (see the first test)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(device)
+    ids = torch.randint(3, 128, (8, 1), device=device)  # one token: the CPU flash kernel runs it (first test)
     compiled = torch.compile(model, backend="enn", options={"fault_inject": "aten.mm:nan:fwd", "persist": False,
                                                             "repro": False, **options})
-    with torch.no_grad():
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
         want = model(input_ids=ids).logits
         for step in range(3):
             got = compiled(input_ids=ids).logits
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(got, want, **tol, msg=lambda m: f"step {step}: {m}")
     rep = enn_backend.report().to_dict()
     faults = [f for f in rep["fallbacks"] if f["kind"] == "nonfinite"]
     assert faults and "pinned" in faults[0]["action"], rep["fallbacks"]
     (graph,) = rep["graphs"]
     assert graph["path"] == "inductor" and len(graph["pinned"]) > 0  # the rest stays compiled
+
+
+@pytest.mark.parametrize("options", [{}, {"guard_values": 0}], ids=["defaults", "no-value-checks"])
+def test_nan_hidden_by_attention_is_localized_by_value(options):
+    """With the value checks off (``guard_values=0``) the localization's own judgment is all that
+    stands in the way."""
+    _hidden_nan_steps("cpu", options)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("options", [{}, {"guard_values": 0}], ids=["defaults", "no-value-checks"])
+def test_nan_in_a_cuda_graph_with_sdpa_is_localized_by_value(options, dtype):
+    """The same on CUDA, where value checks now run in graphs with SDPA (fp32: memory-efficient
+    kernel; bf16 autocast: flash / cuDNN)."""
+    _hidden_nan_steps("cuda", options, dtype)
 
 
 def _efficient_attention_backward(read_bias_grad: bool) -> torch.fx.GraphModule:
@@ -120,3 +137,19 @@ def test_a_result_that_is_undefined_is_pinned_when_nothing_reads_it():
     gm = _efficient_attention_backward(read_bias_grad=True)
     (node,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_dot_product_efficient_attention_backward.default]
     assert not is_pinnable(node)
+
+
+def test_a_pinned_kernel_sees_size_one_dimensions_laid_out_as_eager_lays_them_out():
+    """Inductor may give a size-1 dimension stride 0 (a broadcast mask); SDPA's
+    memory-efficient kernel refuses a bias whose last stride is not 1 even then, so every trial
+    that pinned it raised on the H100 ("(*bias): last dimension must be contiguous") and the
+    localization ended with the whole graph eager. The pinned op restrides such dimensions, and
+    only those (the same kernel checks that the query's strides are aligned)."""
+    from enn_backend.custom_ops.pinned import _eager_layout
+
+    bias = torch.randn(8, 1, 1, 1).as_strided((8, 4, 1, 1), (1, 0, 0, 0))
+    fixed = _eager_layout(bias)
+    assert fixed.stride() == (1, 0, 1, 1) and torch.equal(fixed, bias)
+    assert fixed.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr()  # a view, no copy
+    query = torch.randn(8, 1, 4, 16).transpose(1, 2)  # [8, 4, 1, 16]: its size-1 stride (64) is aligned: kept
+    assert _eager_layout(query) is query

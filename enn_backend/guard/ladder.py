@@ -89,7 +89,8 @@ class FaultLadder:
         ref_written = [call.inputs[i].clone() for i in mutated]
         if self.low_precision is None:
             self.low_precision = E.has_low_precision(self.compiler.eager_gm)
-        off = diverging(list(flat) + written, ref + ref_written, self.low_precision, self.compiler.bookkeeping)
+        off = diverging(list(flat) + written, ref + ref_written, self.low_precision, self.compiler.bookkeeping,
+                        self.compiler.kernel_state)
         if not off:
             for i, t in zip(mutated, written):  # the inputs keep what the compiled call wrote
                 call.inputs[i].copy_(t)
@@ -195,6 +196,7 @@ class FaultLadder:
         no_cudagraphs = self._leave_cudagraphs()
 
         judge64: list = []  # the fp64 run of the reference, made once when a trial first needs it
+        raised: list = []  # the first exception a trial raised (logged once)
 
         def trial_is_wrong(got: list) -> bool:
             # A trial is judged by value against the reference, NaN/Inf included: a NaN can come
@@ -208,7 +210,7 @@ class FaultLadder:
                 return kind != "exception" and bool(divergent(got, ref, nonfinite_outputs(got))[0])
             if self.low_precision is None:
                 self.low_precision = E.has_low_precision(self.compiler.eager_gm)
-            off = diverging(got, ref, self.low_precision, self.compiler.bookkeeping)
+            off = diverging(got, ref, self.low_precision, self.compiler.bookkeeping, self.compiler.kernel_state)
             if not off:
                 return False
             if not judge64:
@@ -225,7 +227,11 @@ class FaultLadder:
                 out = compiled(list(call.inputs))
             except torch.OutOfMemoryError:
                 raise
-            except Exception:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - a trial that raises is faulty; say why once
+                if not raised:
+                    raised.append(exc)
+                    log.info("enn: graph %s: a localization trial with %d pin(s) raised (%s: %s); counted as faulty",
+                             rec.id, len(pins), type(exc).__name__, exc)
                 return True
             faulty = trial_is_wrong(list(outputs(out))[:len(ref)])
             if not faulty:

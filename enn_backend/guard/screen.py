@@ -223,10 +223,20 @@ def same_values(a: Any, b: Any, low_precision: bool = False, by_value: bool = Tr
     return same_nonfinite(a, b) and finite_close(a, b, low_precision)
 
 
-def diverging(out: list, ref: list, low_precision: bool = False, bookkeeping: frozenset[int] = frozenset()) -> list[int]:
+def diverging(out: list, ref: list, low_precision: bool = False, bookkeeping: frozenset[int] = frozenset(),
+              layout_only: frozenset[int] = frozenset()) -> list[int]:
     """Indices of the outputs whose values differ from the reference's (see same_values; the
-    outputs in ``bookkeeping`` are compared with ``by_value=False``)."""
-    return [i for i, (a, b) in enumerate(zip(out, ref)) if not same_values(a, b, low_precision, i not in bookkeeping)]
+    outputs in ``bookkeeping`` are compared with ``by_value=False``, those in ``layout_only`` by
+    dtype and shape alone)."""
+    return [i for i, (a, b) in enumerate(zip(out, ref))
+            if not (same_layout(a, b) if i in layout_only else same_values(a, b, low_precision, i not in bookkeeping))]
+
+
+def same_layout(a: Any, b: Any) -> bool:
+    """Same dtype and shape (for tensors; other values equal)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return a == b
+    return a.dtype == b.dtype and a.shape == b.shape
 
 
 def _rmse(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,6 +6,8 @@ The matcher starts at each ``bmm(P, V)`` and walks up::
     x = cast? / where(cond, fill, ·) / add(·, bias) / mul|div(·, c) ... around
         view(bmm(view(expand(cast?(Q·c?))), view(expand(cast?(permute(K·c?))))))
 
+or ``view(baddbmm(bias, Q, Kᵀ, beta, alpha))`` (BLOOM's ALiBi: a bias term, alpha the scale);
+
 softmax is ``_softmax``, Inductor's decomposition ``exp(x - amax) / sum`` or SDPA math's safe
 softmax, over the key axis (softmax.py);
 casts are autocast's; the fill of a ``masked_fill`` / ``where`` is ``-inf`` or ``finfo.min``;
@@ -135,16 +137,34 @@ def _strip_scale(n: Any, scale: float) -> tuple[Any, float]:
     return n, scale
 
 
-def _qk(n: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float, bool]]:
-    """(q, k, scale, three_d) if ``n`` is the Q·Kᵀ product (4-D via view or a plain 3-D bmm)."""
-    three_d = is_call(n, aten.bmm.default)
+class QK(NamedTuple):
+    """The Q·Kᵀ product: ``scale · Q·Kᵀ`` (4-D via view, or a plain 3-D bmm), plus ``bias`` when
+    it is a ``baddbmm`` that adds one (BLOOM's ALiBi), as a term in the scores' shape."""
+
+    q: fx.Node
+    k: fx.Node
+    scale: float
+    three_d: bool
+    bias: Optional[BiasTerm] = None
+
+
+def _qk(n: fx.Node) -> Optional[QK]:
+    """The Q·Kᵀ product ``n`` (4-D via view or a plain 3-D ``bmm`` / ``baddbmm``), or None."""
+    mms = (aten.bmm.default, aten.baddbmm.default)
+    three_d = is_call(n, *mms)
     mm = n if three_d else (n.args[0] if is_call(n, *VIEWS) else None)
-    if not is_call(mm, aten.bmm.default):
+    if not is_call(mm, *mms):
         return None
-    a, b = mm.args
+    if mm.target is aten.baddbmm.default:  # beta · bias + alpha · (a @ b)
+        added, a, b = mm.args
+        beta, alpha = scalar(mm.kwargs.get("beta", 1)), scalar(mm.kwargs.get("alpha", 1))
+        if beta is None or alpha is None or alpha == 0:
+            return None
+    else:
+        (a, b), added, beta, alpha = mm.args, None, 0.0, 1.0
     # Casts are skipped too: under autocast Q / Kᵀ reach the bmm through a cast to its dtype
     # (LLaMA's RoPE makes q, k fp32); the rewrite casts q / k / v to the bmm dtype again.
-    q, scale = _strip_scale(skip_views(a, also=_SKIPPED), 1.0)
+    q, scale = _strip_scale(skip_views(a, also=_SKIPPED), alpha)
     kt, scale = _strip_scale(skip_views(b, also=_SKIPPED), scale)
     if not is_call(kt, aten.permute.default):
         return None
@@ -153,9 +173,45 @@ def _qk(n: fx.Node) -> Optional[tuple[fx.Node, fx.Node, float, bool]]:
         return None
     k, scale = _strip_scale(kt.args[0], scale)
     want = 3 if three_d else 4
+    if len(shape(k)) != want:  # BLOOM's 3-D K is a view of the 4-D heads
+        k = skip_views(k, also=_SKIPPED)
     if len(shape(q)) != want or len(shape(k)) != want:
         return None
-    return q, k, scale, three_d
+    bias = None
+    if added is not None and beta != 0:
+        term = added if three_d else _heads_view(added, shape(n))
+        if term is None:
+            return None
+        bias = BiasTerm(term, beta)
+    return QK(q, k, scale, three_d, bias)
+
+
+def _heads_view(bias: Any, scores: tuple) -> Optional[fx.Node]:
+    """A ``baddbmm``'s bias (broadcasting against [B·H, Tq, Tk]) as a node that broadcasts against
+    the 4-D scores [B, H, Tq, Tk] it is viewed as: ``view(bias, [B, H, ·, ·])`` (or [1, 1, ·, ·]
+    for a bias shared by every head), added to the graph once; None if it does not split so."""
+    if not isinstance(val(bias), torch.Tensor) or not val(bias).is_floating_point() or len(shape(bias)) > 3:
+        return None
+    dims = (1,) * (3 - len(shape(bias))) + shape(bias)
+    b, h = scores[0], scores[1]
+    if dims[0] == 1:
+        heads = [1, 1]
+    elif dims[0] == b * h:
+        heads = [b, h]
+    else:
+        return None
+    want = heads + list(dims[1:])
+    for user in bias.users:  # the pass runs at two stages: reuse the view made at the first
+        if is_call(user, aten.view.default) and list(user.args[1]) == want:
+            return user
+    try:
+        value = aten.view.default(val(bias), want)
+    except RuntimeError:  # strides that do not split (an expanded bias)
+        return None
+    with bias.graph.inserting_after(bias):
+        node = bias.graph.call_function(aten.view.default, (bias, want))
+    node.meta["val"] = value
+    return node
 
 
 def _fill(n: Any) -> Optional[float]:
@@ -182,8 +238,7 @@ def _peel_scores(x: fx.Node, masks: list[MaskTerm], bias: list[BiasTerm]
         while True:
             got = _qk(n)
             if got is not None:
-                q, k, s, three_d = got
-                return q, k, s * factor, three_d
+                return _product_of(got, factor, bias)
             if skip_views(n, also=_SKIPPED) is n:
                 break
             n = n.args[0]
@@ -223,10 +278,15 @@ def _peel_scores(x: fx.Node, masks: list[MaskTerm], bias: list[BiasTerm]
             n = n.args[0]
             continue
         got = _qk(n)
-        if got is None:
-            return None
-        q, k, s, three_d = got
-        return q, k, s * factor, three_d
+        return None if got is None else _product_of(got, factor, bias)
+
+
+def _product_of(got: QK, factor: float, bias: list[BiasTerm]) -> tuple[fx.Node, fx.Node, float, bool]:
+    """What _peel_scores returns for the Q·Kᵀ product ``got`` under the scale ``factor``; a bias
+    the product adds (``baddbmm``) joins ``bias``."""
+    if got.bias is not None:
+        bias.append(got.bias._replace(factor=got.bias.factor * factor))
+    return got.q, got.k, got.scale * factor, got.three_d
 
 
 def _is_draw(n: Any) -> bool:
