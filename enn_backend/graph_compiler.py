@@ -69,11 +69,12 @@ class GraphCompiler:
         # a training forward's outputs past its results are saved for the backward: their
         # integers are bookkeeping, which the value check compares by dtype and shape only
         results = compat.forward_results(self.tracing_ctx) if self.phase == "forward" else None
-        self.bookkeeping = frozenset(range(results, len(E.output_nodes(self.eager_gm)))) if results is not None else frozenset()
+        outs = E.output_nodes(self.eager_gm)
+        self.bookkeeping = frozenset(range(results, len(outs))) if results is not None else frozenset()
         # of those, an attention kernel's state (its log-sum-exp, RNG seeds) is laid out by the
         # kernel's own convention (a row with every key masked: 0, -inf or its bias, per kernel),
         # which the safe path it is judged against reproduces for the backward only: by layout
-        self.kernel_state = frozenset(i for i in self.bookkeeping if _attention_state(E.output_nodes(self.eager_gm)[i]))
+        self.kernel_state = frozenset(i for i in self.bookkeeping if _attention_state(outs[i]))
         self.pinned_names: frozenset[str] = self._pins_from_state() | self._known_miscompile_pins()
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None
@@ -294,7 +295,5 @@ def _attention_state(n: object) -> bool:
     if not (isinstance(n, fx.Node) and n.target is operator.getitem and n.args[1] != 0):
         return False
     kernel = n.args[0]
-    return (isinstance(kernel, fx.Node) and isinstance(kernel.target, torch._ops.OpOverload)
-            and ((kernel.target.namespace == "enn" and "attention" in kernel.target._schema.name)
-                 or bool(kernel.meta.get(EMITTED))))
-
+    return isinstance(kernel, fx.Node) and (bool(kernel.meta.get(EMITTED))
+                                            or str(kernel.target).startswith("enn.attention"))

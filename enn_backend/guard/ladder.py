@@ -87,10 +87,7 @@ class FaultLadder:
             return out
         flat = outputs(out)
         ref_written = [call.inputs[i].clone() for i in mutated]
-        if self.low_precision is None:
-            self.low_precision = E.has_low_precision(self.compiler.eager_gm)
-        off = diverging(list(flat) + written, ref + ref_written, self.low_precision, self.compiler.bookkeeping,
-                        self.compiler.kernel_state)
+        off = self._values_off(list(flat) + written, ref + ref_written)
         if not off:
             for i, t in zip(mutated, written):  # the inputs keep what the compiled call wrote
                 call.inputs[i].copy_(t)
@@ -109,6 +106,13 @@ class FaultLadder:
             where = [f"output {i}" if i < n_out else f"input {mutated[i - n_out]} (written in place)" for i in off]
             what = f"values differ from eager's beyond their dtype's tolerance, none for integers ({', '.join(where[:6])})"
             return self._kernel_fault("value", what, call, None, ref, [i for i in off if i < n_out] or off)
+
+    def _values_off(self, got: list, ref: list) -> list[int]:
+        """Indices of the results off the reference's at their dtype's tolerance (a kernel's saved
+        state compared by layout, bookkeeping integers by dtype and shape)."""
+        if self.low_precision is None:
+            self.low_precision = E.has_low_precision(self.compiler.eager_gm)
+        return diverging(got, ref, self.low_precision, self.compiler.bookkeeping, self.compiler.kernel_state)
 
     def _compiled_is_wrong(self, call: Call, got: list, ref: list, off: list[int],
                            ref64: list | None = None) -> bool:
@@ -208,9 +212,7 @@ class FaultLadder:
             # there only NaN/Inf that eager does not make counts.
             if self.random:
                 return kind != "exception" and bool(divergent(got, ref, nonfinite_outputs(got))[0])
-            if self.low_precision is None:
-                self.low_precision = E.has_low_precision(self.compiler.eager_gm)
-            off = diverging(got, ref, self.low_precision, self.compiler.bookkeeping, self.compiler.kernel_state)
+            off = self._values_off(got, ref)
             if not off:
                 return False
             if not judge64:
