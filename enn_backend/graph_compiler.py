@@ -101,8 +101,9 @@ class GraphCompiler:
 
     def fp64_gm(self) -> fx.GraphModule:
         """The reference in fp64: the judge when compiled and eager values disagree (built on
-        demand, not kept: a disagreement is rare and the copy is as large as the graph)."""
-        return E.for_eager_runs(E.promote(self.safe_gm(), torch.float64))
+        demand, not kept: a disagreement is rare and the copy is as large as the graph). Its
+        attention kernels run enn's attention math in fp64 (their safe paths)."""
+        return E.for_eager_runs(E.on_safe_paths(E.promote(self.safe_gm(), torch.float64)))
 
     def safe_gm(self) -> fx.GraphModule:
         """The eager copy the guard re-runs: the ATen graph as given, except the kernels enn

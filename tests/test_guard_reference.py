@@ -295,3 +295,35 @@ def test_a_random_unit_is_not_compared_with_the_dynamo_graph():
     compiled(torch.randn(64))
     assert enn_backend.report().to_dict()["fallbacks"] == []
     assert enn_backend.report().counters["guard.dynamo_reference_off"] == 1
+
+
+@pytest.mark.parametrize("kernel", ["efficient", "flash", "cudnn"])
+def test_fp64_run_computes_cuda_attention_kernels_by_math(kernel):
+    """CUDA's SDPA kernels have no fp64 version ("Only fp32, half & bf16 supported"), so a graph
+    that called one had no fp64 run and its value checks could blame nobody. The fp64 run calls
+    their safe paths, enn's attention math in fp64, laid out as the kernel lays out its results.
+    Traced with fake tensors (the kernels are CUDA's), run on the CPU: only the math can run here."""
+    aten = torch.ops.aten
+    q, k, v = (torch.randn(2, 4, 40, 16, dtype=torch.float64) for _ in range(3))
+    bias = torch.randn(2, 4, 40, 40, dtype=torch.float64)
+    if kernel == "efficient":
+        def f(q, k, v, bias):
+            return aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, False)[:2]
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    elif kernel == "flash":
+        def f(q, k, v, bias):
+            return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[:2]
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        def f(q, k, v, bias):
+            return aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, False)[:2]
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    gm = make_fx(f, tracing_mode="fake")(q, k, v, bias)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        gm(q, k, v, bias)  # the kernel itself: no CPU (nor fp64) version
+    out, lse = E.on_safe_paths(gm)(q, k, v, bias)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, k) / 4.0 + (bias if kernel != "flash" else
+                                                            torch.full((40, 40), float("-inf")).triu(1))
+    torch.testing.assert_close(lse.reshape(2, 4, -1)[..., :40].double(), logits.logsumexp(-1), rtol=1e-6, atol=1e-6)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import Backend
-from .masks import band_mask_mod, float_bias, keep_all, kernel_bias
+from .masks import band_mask_mod, float_bias, keep_all, kernel_bias, math_dtype
 
 def _repeat_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
     if x.shape[1] == hq:
@@ -40,7 +40,8 @@ def _bias_grad(dscores: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- explicit math
 def _scores(q, k, bias, mask, alibi, scale, causal, window) -> torch.Tensor:
     kk = _repeat_kv(k, q.shape[1])
-    s = torch.matmul(q.float(), kk.float().transpose(-2, -1)) * scale
+    dt = math_dtype(q)
+    s = torch.matmul(q.to(dt), kk.to(dt).transpose(-2, -1)) * scale
     fb = float_bias(q, k, bias, alibi)
     if fb is not None:
         s = s + fb
@@ -67,23 +68,24 @@ def explicit_fwd(q, k, v, bias, mask, alibi, scale, causal, window, dropout=None
     """``dropout``: each probability's dropout factor (masks.dropout_scale), or None."""
     p, lse = _probs(_scores(q, k, bias, mask, alibi, scale, causal, window))
     pd = p if dropout is None else p * dropout
-    out = torch.matmul(pd, _repeat_kv(v, q.shape[1]).float()).to(q.dtype)
+    out = torch.matmul(pd, _repeat_kv(v, q.shape[1]).to(pd.dtype)).to(q.dtype)
     return out, lse
 
 
 def explicit_bwd(g, q, k, v, bias, mask, alibi, out, lse, scale, causal, window, dropout=None):
     hkv = k.shape[1]
     p, _ = _probs(_scores(q, k, bias, mask, alibi, scale, causal, window))  # dead rows: 0
-    vv = _repeat_kv(v, q.shape[1]).float()
-    kk = _repeat_kv(k, q.shape[1]).float()
-    gf = g.float()
+    dt = math_dtype(q)
+    vv = _repeat_kv(v, q.shape[1]).to(dt)
+    kk = _repeat_kv(k, q.shape[1]).to(dt)
+    gf = g.to(dt)
     dv = torch.matmul((p if dropout is None else p * dropout).transpose(-2, -1), gf)
     dp = torch.matmul(gf, vv.transpose(-2, -1))
     if dropout is not None:  # the gradient of P through P * dropout
         dp = dp * dropout
     ds = p * (dp - (dp * p).sum(-1, keepdim=True))
     dq = torch.matmul(ds, kk) * scale
-    dk = torch.matmul(ds.transpose(-2, -1), q.float()) * scale
+    dk = torch.matmul(ds.transpose(-2, -1), q.to(dt)) * scale
     dbias = _bias_grad(ds, bias) if bias is not None else None
     return dq.to(q.dtype), _fold_kv(dk, hkv).to(k.dtype), _fold_kv(dv, hkv).to(v.dtype), dbias
 

@@ -93,12 +93,18 @@ def keep_all(q, k, mask, causal, window) -> Optional[torch.Tensor]:
     return keep
 
 
+def math_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype enn's attention math computes in for ``t``: fp32, or fp64 for fp64 tensors (the
+    guard's fp64 reference runs the same math)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def float_bias(q, k, bias, alibi) -> Optional[torch.Tensor]:
-    out = None
+    out, dt = None, math_dtype(q)
     if alibi is not None:
-        out = alibi_bias(alibi, q.shape[-2], k.shape[-2], torch.float32)
+        out = alibi_bias(alibi, q.shape[-2], k.shape[-2], dt)
     if bias is not None:
-        out = bias.float() if out is None else out + bias.float()
+        out = bias.to(dt) if out is None else out + bias.to(dt)
     return out
 
 

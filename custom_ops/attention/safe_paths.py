@@ -7,7 +7,7 @@ import torch
 
 from ..pinned import register_safe_path
 from .kernels import FWD, explicit_bwd, explicit_fwd
-from .masks import full_bias, normalize_mask, saturated_counts
+from .masks import full_bias, math_dtype, normalize_mask, saturated_counts
 from .op import attention, attention_backward, default_scale
 
 # ----------------------------------------------------------------------------- safe paths
@@ -38,24 +38,36 @@ def _attention_backward_safe(grad_out, q, k, v, bias, mask, alibi, out, lse, sca
 # these instead: enn's explicit fp32 math, laid out exactly as the kernel lays out its outputs
 # (sizes, strides, dtypes from the op's meta function), so the compiled code around a pinned
 # node, and a backward graph fed by a pinned forward, see the kernel's metadata.
-# Not covered: the CUDA forward kernels (flash / cuDNN return SymInt outputs a pinned op cannot
-# return, and their RNG outputs have no device-independent layout): for those the reference is
-# the kernel itself.
+# The CUDA forward kernels have safe paths too: the math gives the output and its log-sum-exp,
+# the rest (RNG seeds, flash / cuDNN's sequence bookkeeping) is laid out as the kernel's meta
+# function says and is not read without dropout. Flash and cuDNN return SymInts, so a pinned op
+# cannot run them; the guard's fp64 run calls them directly (graph_edit.on_safe_paths): CUDA's
+# kernels have no fp64 version. With dropout, the kernel itself runs (only it can draw its mask).
 aten = torch.ops.aten
 
 
 def _kernel_layout(op, args, kwargs, values):
-    """``values`` copied into tensors with the metadata ``op`` gives its outputs for ``args``."""
+    """``values`` copied into tensors with the metadata ``op`` gives its outputs for ``args``.
+    A log-sum-exp fills the leading part of the kernel's (memory-efficient pads Tq to a multiple
+    of 32 with +inf, as its kernel does; cuDNN adds a trailing 1). Outputs past ``values`` (RNG seeds, flash / cuDNN's sequence
+    bookkeeping, read only with dropout) are zeros, or the meta function's value if not tensors."""
     to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
     metas = op(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
     metas = metas if isinstance(metas, (tuple, list)) else (metas,)
+    device = values[0].device
     out = []
-    for m, val in zip(metas, values):
-        if val is None or not isinstance(m, torch.Tensor):
-            out.append(val)
+    for i, m in enumerate(metas):
+        val = values[i] if i < len(values) else None
+        if not isinstance(m, torch.Tensor) or (val is None and i < len(values)):
+            out.append(val if i < len(values) else m)
             continue
-        t = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=val.device)
-        t.copy_(val)
+        t = torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device)
+        if val is None:
+            t.zero_()
+        elif val.shape == m.shape:
+            t.copy_(val)
+        else:
+            t.fill_(float("inf")).view(*val.shape[:-1], -1)[..., :val.shape[-1]].copy_(val)
         out.append(t)
     return tuple(out)
 
@@ -84,10 +96,43 @@ def _math_grads(g, q, k, v, attn_mask, is_causal, scale):
     bias, mask = _mask_args(attn_mask)
     fb = full_bias(q, k, bias, mask, None, is_causal, 0)
     if fb is not None:
-        g = (g.float() * saturated_counts(fb)).to(g.dtype)
+        g = (g.to(math_dtype(g)) * saturated_counts(fb)).to(g.dtype)
     s = _scale(q, scale)
     out, lse = explicit_fwd(q, k, v, bias, mask, None, s, is_causal, 0)
     return explicit_bwd(g, q, k, v, bias, mask, None, out, lse, s, is_causal, 0)
+
+
+def _math_forward(op, args, kwargs, attn_mask, dropout_p, is_causal, scale):
+    """A CUDA SDPA forward kernel's results by enn's math, in the kernel's layout."""
+    drew = _kernel_drew(op, args, kwargs, dropout_p)
+    if drew is not None:
+        return drew
+    q, k, v = args[:3]
+    bias, mask = _mask_args(attn_mask)
+    out, lse = explicit_fwd(q, k, v, bias, mask, None, _scale(q, scale), is_causal, 0)
+    return _kernel_layout(op, args, kwargs, (out, lse))
+
+
+@register_safe_path("aten._scaled_dot_product_efficient_attention.default")
+def _efficient_safe(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
+    return _math_forward(aten._scaled_dot_product_efficient_attention.default,
+                         (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal), {"scale": scale},
+                         attn_bias, dropout_p, is_causal, scale)
+
+
+@register_safe_path("aten._scaled_dot_product_flash_attention.default")
+def _flash_safe(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+    return _math_forward(aten._scaled_dot_product_flash_attention.default,
+                         (q, k, v, dropout_p, is_causal, return_debug_mask), {"scale": scale},
+                         None, dropout_p, is_causal, scale)
+
+
+@register_safe_path("aten._scaled_dot_product_cudnn_attention.default")
+def _cudnn_safe(q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                scale=None):
+    return _math_forward(aten._scaled_dot_product_cudnn_attention.default,
+                         (q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, return_debug_mask),
+                         {"scale": scale}, attn_bias, dropout_p, is_causal, scale)
 
 
 @register_safe_path("aten._scaled_dot_product_flash_attention_for_cpu.default")

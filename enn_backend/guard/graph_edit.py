@@ -126,6 +126,21 @@ def for_eager_runs(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def on_safe_paths(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` (changed in place) with every ATen op that has a registered safe path calling it
+    directly: for the guard's fp64 run, where CUDA's SDPA kernels have no fp64 version and their
+    safe paths (enn's attention math) compute in fp64. Not for compiling: a plain function node."""
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(getattr(n.target, "_schema", None), torch.FunctionSchema):
+            path = P.SAFE_PATHS.get(P.op_name(n.target))
+            if path is not None:
+                n.target, changed = path, True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 def pin_nodes(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
     """Copy of ``gm`` with the named nodes replaced by ``enn::pinned`` calls."""
     names = set(names)
