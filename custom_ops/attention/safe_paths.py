@@ -35,7 +35,7 @@ def _attention_backward_safe(grad_out, q, k, v, bias, mask, alibi, out, lse, sca
 # ----------------------------------------------------------------------------- safe paths of emitted kernels
 # Where no row can be fully masked the attention pass emits SDPA's ATen kernels themselves
 # (enn_backend/passes/attention/kernels/sdpa.py). The guard's eager reference and a pinned node then run
-# these instead: enn's explicit fp32 math, laid out exactly as the kernel lays out its outputs
+# these instead: enn's explicit math (fp32; fp64 for fp64 inputs), laid out exactly as the kernel lays out its outputs
 # (sizes, strides, dtypes from the op's meta function), so the compiled code around a pinned
 # node, and a backward graph fed by a pinned forward, see the kernel's metadata.
 # The CUDA forward kernels have safe paths too: the math gives the output and its log-sum-exp,
@@ -49,8 +49,9 @@ aten = torch.ops.aten
 def _kernel_layout(op, args, kwargs, values):
     """``values`` copied into tensors with the metadata ``op`` gives its outputs for ``args``.
     A log-sum-exp fills the leading part of the kernel's (memory-efficient pads Tq to a multiple
-    of 32 with +inf, as its kernel does; cuDNN adds a trailing 1). Outputs past ``values`` (RNG seeds, flash / cuDNN's sequence
-    bookkeeping, read only with dropout) are zeros, or the meta function's value if not tensors."""
+    of 32 with +inf, as its kernel does; cuDNN adds a trailing 1). Outputs past ``values`` (RNG
+    seeds, flash / cuDNN's sequence bookkeeping, read only with dropout) are zeros, or the meta
+    function's value if not tensors."""
     to_meta = lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
     metas = op(*[to_meta(a) for a in args], **{k: to_meta(v) for k, v in kwargs.items()})
     metas = metas if isinstance(metas, (tuple, list)) else (metas,)
