@@ -1,0 +1,135 @@
+"""Where the real-model suite's slowest workloads lose: kernel time vs host time, per variant.
+
+For each workload (third-party models of the real preset, gpu-real size, bf16 autocast): Inductor,
+enn with its defaults, enn without its precision pass, and enn with its guard off, each on its own
+copy of the model (same seed), timed interleaved (do_bench medians, ``--rounds`` rounds), plus the
+device's kernel time and kernel count of one step (torch.profiler, 10 steps). Then, for training
+workloads, whether the model's loss stays finite over ``--train-steps`` steps (eager and enn) and
+what enn's report recorded.
+
+Run:  python bench/gpu_real_gaps.py [--only a,b] [--rounds 7]   (bench/results/gpu-h100/real_gaps.log)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+
+import enn_backend  # noqa: F401  (registers backend="enn")
+from enn_backend import models
+from enn_backend.bench.steps import autocast, timed_step
+from enn_backend.report import report, reset
+
+WORKLOADS = ["tv_resnet18:infer", "hf_bloom:infer", "hf_bert_sdpa:infer", "hf_t5:infer", "timm_vit_small:train",
+             "hf_t5:train", "hf_bloom:train"]
+VARIANTS = {
+    "inductor": dict(backend="inductor"),
+    "enn": dict(backend="enn"),
+    "enn precision off": dict(backend="enn", options={"precision": False}),
+    "enn guard off": dict(backend="enn", options={"guard": "off"}),
+}
+
+
+def kernel_time(step, n: int = 10) -> tuple[float, float]:
+    """(device kernel ms per step, kernels per step) over ``n`` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in events)
+    return total_us / 1e3 / n, len(events) / n
+
+
+def run_workload(name: str, mode: str, rounds: int) -> None:
+    from triton.testing import do_bench
+
+    amp = autocast("cuda", "bf16")
+    steps = {}
+    for variant, kwargs in VARIANTS.items():
+        entry = models.build(name, "gpu-real", device="cuda", seed=0)
+        m = entry.model if mode == "train" else entry.model.eval()
+        fn = torch.compile(m, **kwargs)
+        batch = entry.make_inputs(0)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4) if mode == "train" else None
+        steps[variant] = timed_step(fn, opt, batch, entry.loss_fn, mode, amp)
+        for _ in range(25):  # compile, then past enn's guard warm-up
+            steps[variant]()
+    torch.cuda.synchronize()
+    times = {v: [] for v in steps}
+    for r in range(rounds):
+        order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
+        for v in order:
+            times[v].append(do_bench(steps[v], warmup=3, rep=60, return_mode="median"))
+    base = statistics.median(times["inductor"])
+    print(f"\n{name} {mode} bf16 (median of {rounds} interleaved rounds; kernel time from torch.profiler)")
+    print(f"  {'variant':<18} {'step ms':>8} {'vs ind.':>8} {'spread':>7} {'kernel ms':>10} {'kernels':>8} {'host-idle ms':>12}")
+    for v, ts in times.items():
+        med = statistics.median(ts)
+        ratios = sorted(b / t for b, t in zip(times["inductor"], ts))
+        kms, kn = kernel_time(steps[v])
+        spread = (max(ts) - min(ts)) / 2 / med
+        print(f"  {v:<18} {med:8.3f} {statistics.median(ratios):8.3f} {spread:6.0%} {kms:10.3f} {kn:8.0f} {med - kms:12.3f}")
+    del steps
+    torch.cuda.empty_cache()
+    _ = base
+
+
+def divergence(name: str, n: int) -> None:
+    """Does training this workload stay finite? eager and enn, ``n`` steps each."""
+    amp = autocast("cuda", "bf16")
+    for variant in ("eager", "enn"):
+        reset()
+        entry = models.build(name, "gpu-real", device="cuda", seed=0)
+        m = entry.model
+        fn = m if variant == "eager" else torch.compile(m, backend="enn")
+        batch = entry.make_inputs(0)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        step = timed_step(fn, opt, batch, entry.loss_fn, "train", amp)
+        losses, first_bad = [], None
+        for i in range(1, n + 1):
+            loss = float(step())
+            losses.append(loss)
+            params_ok = all(bool(torch.isfinite(p).all()) for p in m.parameters())
+            if first_bad is None and (not math.isfinite(loss) or not params_ok):
+                first_bad = (i, loss, params_ok)
+        shown = ", ".join(f"{i}:{losses[i - 1]:.3g}" for i in (1, 10, 20, 30, 40, 50, 60, 80, n) if i <= n)
+        print(f"  {name} train {variant:<6} loss at steps {shown}; first non-finite: {first_bad}")
+        if variant == "enn":
+            d = report().to_dict()
+            print(f"    enn counters: { {k: v for k, v in d['counters'].items() if 'fallback' in k or 'nonfinite' in k} }")
+            for f in d["fallbacks"]:
+                print(f"    [{f['kind']}] {f['graph']}: {f['reason'][:160]} -> {f['action'][:100]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--train-steps", type=int, default=80)
+    ap.add_argument("--divergence", default="hf_bloom,hf_t5")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.cache_size_limit = 64
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    if a.divergence:
+        print("\nDoes training stay finite? (AdamW lr 1e-4, one batch, bf16 autocast, as the suite trains)")
+        for name in a.divergence.split(","):
+            divergence(name, a.train_steps)
+    for w in (a.only.split(",") if a.only else WORKLOADS):
+        name, mode = w.split(":")
+        torch._dynamo.reset()
+        run_workload(name, mode, a.rounds)
+
+
+if __name__ == "__main__":
+    main()
