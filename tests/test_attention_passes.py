@@ -350,6 +350,37 @@ def test_finite_bias_provenance():
     assert not provenance.finite_bias(node(aten.add.Tensor, (hf, hf), torch.ones(2, 8)))  # finfo.min + finfo.min = -inf
 
 
+def test_magnitude_bound_provenance():
+    """What bounds a bias term kept beside a finfo.min mask (key_padding.take): integer tensors by
+    their dtype, constants by their values, arithmetic of bounded terms; nothing else."""
+    g = fx.Graph()
+
+    def node(target, args, value, **kwargs):
+        n = g.call_function(target, args, kwargs)
+        n.meta["val"] = value
+        return n
+
+    mask = g.placeholder("mask")
+    mask.meta["val"] = torch.ones(2, 8, dtype=torch.long)
+    positions = node(aten.sub.Tensor, (node(aten.cumsum.default, (mask, -1), mask.meta["val"]), 1), mask.meta["val"])
+    assert provenance.magnitude_bound(positions) == 2.0 ** 63  # int64: its range, whatever cumsum made
+    base = node(aten.full.default, ([], 0.25), torch.tensor(0.25))
+    heads = node(torch.ops.prims.iota.default, (4,), torch.arange(4, dtype=torch.int32),
+                 start=0, step=1, dtype=torch.int32, device=torch.device("cpu"), requires_grad=False)
+    slopes = node(aten.pow.Tensor_Tensor, (base, heads), torch.ones(4))
+    assert provenance.magnitude_bound(slopes) == 1.0  # a constant: evaluated (0.25 ** 0 = 1)
+    alibi = node(aten.mul.Tensor, (node(aten.view.default, (slopes, [1, 4, 1]), torch.ones(1, 4, 1)),
+                                   node(aten.unsqueeze.default, (positions, 1), torch.ones(2, 1, 8))), torch.ones(2, 4, 8))
+    assert provenance.magnitude_bound(alibi) == 2.0 ** 63 and provenance.finite_bias(alibi)
+    huge = node(aten.mul.Tensor, (positions, 1e30), torch.ones(2, 8))
+    assert provenance.magnitude_bound(huge) is None  # 2**63 * 1e30 is past fp32's range
+    learned = g.placeholder("bias")
+    learned.meta["val"] = torch.ones(2, 8)
+    assert provenance.magnitude_bound(learned) is None
+    assert provenance.magnitude_bound(node(aten.mul.Tensor, (learned, alibi), torch.ones(2, 8))) is None
+    assert not provenance.finite_bias(node(aten.mul.Tensor, (learned, alibi), torch.ones(2, 8)))
+
+
 # ----------------------------------------------------------------------------- finfo.min masks of a band and key padding
 def hf_eager_gqa(window: int):
     """transformers' eager attention, written out: ``repeat_kv`` (expand + reshape) of grouped K/V,

@@ -416,6 +416,55 @@ def test_hand_built_eager_causal_padding_becomes_flag_and_bias():
     run.check_eager()
 
 
+def _alibi_from_padding(pad):
+    """BLOOM's ALiBi: per-head slopes (``pow`` of a constant) times key positions counted from the
+    attention mask, ``[B, H, 1, T]``."""
+    slopes = torch.pow(torch.tensor(0.5), torch.arange(1, H + 1, dtype=torch.int32))
+    positions = ((pad.cumsum(-1) - 1) * pad)[:, None, None, :]
+    return slopes[None, :, None, None] * positions
+
+
+def eager_causal_padding_alibi(q, k, v, pad):
+    b, i, j = _indices()
+    keep = (j <= i) & pad.bool()[b, j]
+    bias = torch.where(keep, torch.tensor(0.0), torch.finfo(torch.float32).min)
+    scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + _alibi_from_padding(pad) + bias
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def eager_causal_padding_learned_bias(q, k, v, pad, learned):
+    b, i, j = _indices()
+    keep = (j <= i) & pad.bool()[b, j]
+    bias = torch.where(keep, torch.tensor(0.0), torch.finfo(torch.float32).min)
+    return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5 + learned + bias, dim=-1) @ v
+
+
+def test_eager_causal_padding_with_alibi_from_the_padding_vector_becomes_flag_and_bias():
+    """BLOOM's form: an ALiBi term counted from the attention mask beside the finfo.min mask. The
+    term is provably small (its bound: slopes <= 1 times int64 positions), so eager's finfo.min
+    absorbs it on masked keys: the mask becomes the causal flag + key padding, the term stays a
+    bias, and the rows that keep no key get eager's uniform row and gradients."""
+    run = run_passes(eager_causal_padding_alibi, [*qkv(), _left_padding()], ["attention"], training=True)
+    (c,) = run.choices
+    assert c["causal"] and c["key_padding"] and c["bias"], c
+    run.check_eager()
+
+
+@pytest.mark.parametrize("fn, extra, why", [
+    (eager_causal_padding_learned_bias, lambda: [torch.randn(1, H, 1, T, requires_grad=True)],
+     "not provably below 2**64 in magnitude"),
+    (eager_causal_padding_learned_bias, lambda: [torch.randn(1, H, 1, T)], "not provably below 2**64 in magnitude"),
+])
+def test_a_bias_term_beside_the_mask_that_is_not_bounded_keeps_the_mask(fn, extra, why):
+    """A learned bias (it may hold anything, and has a gradient) or a float tensor the caller passes
+    beside the mask: nothing bounds them, so the mask stays a tensor, with the reason."""
+    run = run_passes(fn, [*qkv(), _left_padding(), *extra()], ["attention"], training=True)
+    (c,) = run.choices
+    assert not c["key_padding"] and not c["causal"], c
+    assert why in c["reason"], c
+    run.check_eager()
+
+
 @pytest.mark.parametrize("fn, want, why", [
     (eager_segment_ids, "arbitrary (a factor computed by eq.Tensor depends on tensors other than a key-padding vector)",
      "a factor computed by eq.Tensor depends on tensors other than a key-padding vector"),

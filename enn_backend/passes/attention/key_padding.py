@@ -40,12 +40,16 @@ from ..manager import ModuleState
 from .emitter import Emitter
 from .constants import Dims
 from .masks import Structure
-from .provenance import additive_mask_fill, keep_structure
+from .provenance import additive_mask_fill, keep_structure, magnitude_bound
 from .match import Match
 
 aten = torch.ops.aten
 _ALIGN = 8  # the padding bias's rows start at multiples of this many elements (SDPA's bias alignment)
 _SHARED = "enn_key_padding"  # node meta: what a node shared by every site reading one padding vector is
+# The largest bias term kept beside a finfo.min mask: far below the spacing of finfo.min's
+# neighbours (2**104 in fp32, 2**120 in bf16), which absorb it in eager, and below the kernel's
+# SATURATED_FLOOR (-2**100), which still weighs a padded key 0 with it added.
+ABSORBED = 2.0 ** 64
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,25 @@ class KeyPadding:
 def take(st: Structure, m: Match, dims: Dims, state: Optional[ModuleState]) -> tuple[Optional[KeyPadding], str]:
     """The key padding of a site whose only mask is an additive ``finfo.min`` mask of a band and
     a key-padding vector: the mask term leaves ``st`` and its band becomes ``st``'s flags.
-    (None, why not) when the site has such a mask that cannot be taken; (None, "") when it has none."""
-    if len(st.bias) != 1 or st.floors or st.keep or st.alibi is not None or st.causal or m.three_d:
+    (None, why not) when the site has such a mask that cannot be taken; (None, "") when it has none.
+
+    Other bias terms may stay beside it (BLOOM's ALiBi, ``slopes * positions`` counted from the
+    attention mask) when each is bounded by :data:`ABSORBED`: eager's ``finfo.min`` then absorbs
+    them on every masked key, so a dead row is still uniform over all keys, and a bounded term
+    holds no gradient (:func:`~.provenance.magnitude_bound`), so DeadRows' closed form is whole."""
+    if st.floors or st.keep or st.alibi is not None or st.causal or m.three_d:
         return None, ""
-    term = st.bias[0]
-    fill = additive_mask_fill(term.node, state) if term.factor == 1.0 else None
-    if fill is None:
+    masks = [t for t in st.bias if t.factor == 1.0 and additive_mask_fill(t.node, state) is not None]
+    if len(masks) != 1:
         return None, ""
+    term = masks[0]
+    fill = additive_mask_fill(term.node, state)
+    for other in st.bias:
+        if other is not term:
+            bound = magnitude_bound(other.node)
+            if bound is None or bound * abs(other.factor) > ABSORBED:
+                return None, (f"a bias term beside the finfo.min mask ({other.node.name}) is not provably below "
+                              "2**64 in magnitude: a row that keeps no key may not be uniform over all keys in eager")
     dtype = tensor_dtype(term.node)
     if fill == float("-inf") or fill > SATURATED or not floors_saturated(dtype):
         return None, (f"a fill of {fill:g} in {dtype} does not absorb the scores: a row that keeps no key is "
@@ -113,14 +129,20 @@ def padding_bias(em: Emitter, kp: KeyPadding, dtype: torch.dtype) -> fx.Node:
         like = {"dtype": dtype, "device": val(vec).device}
         low = SATURATED_FLOOR if floors_saturated(dtype) else torch.finfo(dtype).min
         v4 = em.call(aten.unsqueeze.default, (em.call(aten.unsqueeze.default, (vec, 1)), 1))
-        bias = em.call(aten.where.self, (v4, em.call(aten.full.default, ([], 0.0), like),
-                                         em.call(aten.full.default, ([], low), like)))
-        if tk % _ALIGN:
-            padded = em.call(aten.constant_pad_nd.default, (bias, [0, -tk % _ALIGN], 0.0))
-            bias = em.call(aten.slice.Tensor, (padded, 3, 0, tk))
-        return bias
+        return aligned(em, em.call(aten.where.self, (v4, em.call(aten.full.default, ([], 0.0), like),
+                                                       em.call(aten.full.default, ([], low), like))))
 
     return _shared(em, ("bias", vec.name, str(dtype)), build)
+
+
+def aligned(em: Emitter, bias: fx.Node) -> fx.Node:
+    """``bias`` with its rows starting at multiples of 8 elements (padded storage, sliced back to
+    ``Tk``), as SDPA's kernels want their bias."""
+    tk = shape(bias)[-1]
+    if tk % _ALIGN == 0:
+        return bias
+    padded = em.call(aten.constant_pad_nd.default, (bias, [0, -tk % _ALIGN], 0.0))
+    return em.call(aten.slice.Tensor, (padded, len(shape(bias)) - 1, 0, tk))
 
 
 def _dead(em: Emitter, kp: KeyPadding, tq: int) -> fx.Node:

@@ -208,12 +208,87 @@ def finite_bias(n: Any, depth: int = 0) -> bool:
     if t in (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.rsub.Scalar, aten.rsub.Tensor, aten.div.Tensor):
         a, b = n.args[0], n.args[1]
         scalars = [x for x in (a, b) if scalar(x) is not None]
-        if not scalars or not all(math.isfinite(scalar(x)) for x in scalars):
+        if not scalars:  # tensor with tensor: finite when bounded (ALiBi's slopes x positions)
+            return magnitude_bound(n) is not None
+        if not all(math.isfinite(scalar(x)) for x in scalars):
             return False
         if t is aten.div.Tensor and scalar(b) in (None, 0.0):
             return False
         return all(finite_bias(x, depth + 1) for x in (a, b) if scalar(x) is None)
-    return False
+    return magnitude_bound(n) is not None
+
+
+# The largest magnitude an integer / boolean tensor of each dtype can hold.
+_INT_BOUND = {torch.bool: 1.0, torch.uint8: 255.0, torch.int8: 128.0, torch.int16: 2.0 ** 15,
+              torch.int32: 2.0 ** 31, torch.int64: 2.0 ** 63}
+_BOUND_THROUGH = _FINITE_SHAPE_OPS - {CONVERT}
+
+
+def magnitude_bound(n: Any, depth: int = 0) -> Optional[float]:
+    """An upper bound on ``|x|`` for every element of ``n``, proved from its provenance; None when
+    there is none (a learned bias, a user tensor, an op not covered).
+
+    Bounded: numbers; integer / boolean tensors (by their dtype's range: an attention mask, or
+    positions counted from one with ``cumsum``); constant subgraphs (evaluated at compile time
+    from constants alone, no module buffer: BLOOM's ALiBi slopes ``pow(base, arange)``); shape ops;
+    casts that do not overflow; ``where``; ``+``, ``-``, ``*`` of bounded operands and division by
+    a nonzero number. A bound is a value bound: a tensor with one has no gradient."""
+    if isinstance(n, bool):
+        return 1.0
+    if isinstance(n, (int, float)):
+        return abs(float(n)) if math.isfinite(n) else None
+    if not isinstance(n, fx.Node) or depth > 32:
+        return None
+    v = val(n)
+    if not isinstance(v, torch.Tensor) or v.is_complex():
+        return None
+    if not v.is_floating_point():
+        return _INT_BOUND.get(v.dtype)
+    top = torch.finfo(v.dtype).max
+    c = Constants(None).value(n)  # constants alone: no buffer a later call could change
+    if c is not None:
+        with compat.real_tensor_mode():
+            b = float(c.abs().max()) if c.numel() else 0.0
+        return b if math.isfinite(b) else None
+    if n.op != "call_function":
+        return None
+    t, args = n.target, n.args
+
+    def bound(x: Any) -> Optional[float]:
+        return magnitude_bound(x, depth + 1)
+
+    if t in _BOUND_THROUGH:
+        b = bound(args[0])
+    elif t is CONVERT:  # rounding to the new dtype moves a value by less than 1%
+        b = bound(args[0])
+        b = None if b is None else b * 1.01
+    elif t in (aten.full.default, aten.scalar_tensor.default):
+        b = bound(args[1] if t is aten.full.default else args[0])
+    elif t is aten.where.self:
+        b = _max(bound(args[1]), bound(args[2]))
+    elif t in (aten.neg.default, aten.abs.default):
+        b = bound(args[0])
+    elif t in (aten.add.Tensor, aten.sub.Tensor):
+        alpha = abs(float(n.kwargs.get("alpha", 1)))
+        a, c2 = bound(args[0]), bound(args[1])
+        b = None if a is None or c2 is None else a + alpha * c2
+    elif t is aten.mul.Tensor:
+        a, c2 = bound(args[0]), bound(args[1])
+        b = None if a is None or c2 is None else a * c2
+    elif t is aten.div.Tensor:
+        d = scalar(args[1])
+        b = None if not d else _div(bound(args[0]), abs(d))
+    else:
+        b = None
+    return b if b is not None and b <= top else None  # past the dtype's range: an infinity
+
+
+def _max(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return None if a is None or b is None else max(a, b)
+
+
+def _div(a: Optional[float], d: float) -> Optional[float]:
+    return None if a is None else a / d
 
 
 def may_saturate(n: Any, depth: int = 0) -> bool:

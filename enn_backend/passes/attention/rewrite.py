@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from ..fx_utils import follow_layout, is_call, shape, tensor_dtype
 from .emitter import Emitter, Operands
-from .key_padding import padding_bias
+from .key_padding import aligned, padding_bias
 from .plan import Plan
 
 aten = torch.ops.aten
@@ -24,7 +24,11 @@ def _operands(em: Emitter, plan: Plan) -> Operands:
     bias = padding_bias(em, plan.padding, m.dtype) if plan.padding is not None else None
     for term, factor in st.bias:
         t = term if factor == 1.0 else em.call(aten.mul.Tensor, (term, factor))
+        if plan.padding is not None:  # a bounded term beside the padding bias (key_padding.take): in its dtype
+            t = em.cast(t, m.dtype)
         bias = t if bias is None else em.call(aten.add.Tensor, (bias, t))
+    if plan.padding is not None and st.bias:
+        bias = aligned(em, bias)
     for cond, keep_when_true, fill, _ in st.floors:  # finfo.min fill: eager averages dead rows; a bias does too
         keep = cond if keep_when_true else em.call(aten.bitwise_not.default, (cond,))
         like = {"dtype": tensor_dtype(m.q), "device": m.q.meta["val"].device}
