@@ -95,14 +95,17 @@ class Constants:
                         env[x] = attrs[x]
                     else:
                         env[x] = x.target(*fx.map_arg(x.args, env.__getitem__), **fx.map_arg(x.kwargs, env.__getitem__))
+                out = env[n]
+                if type(out) is not torch.Tensor:
+                    return None  # a FakeTensor means fake mode was active
+                # values are read for their structure, next to CPU tensors, whatever the graph's
+                # device (copied here: outside this block the pass's fake mode would take the copy)
+                out = out.cpu()
         except Exception as exc:  # noqa: BLE001 - an op that will not run on real tensors: not constant
             log.debug("enn attention: constant mask %s not evaluated: %s", n.name, exc)
             return None
-        out = env[n]
-        if type(out) is not torch.Tensor:
-            return None  # a FakeTensor means fake mode was active
         self.reads.extend(buffers.values())
-        return out.cpu()  # values are read for their structure, next to CPU tensors, whatever the graph's device
+        return out
 
 
 
