@@ -7,7 +7,7 @@ device's kernel time and kernel count of one step (torch.profiler, 10 steps). Th
 workloads, whether the model's loss stays finite over ``--train-steps`` steps (eager and enn) and
 what enn's report recorded.
 
-Run:  python bench/gpu_real_gaps.py [--only a,b] [--rounds 7]   (bench/results/gpu-h100/real_gaps.log)
+Run:  python bench/gpu_real_gaps.py [--only a,b] [--rounds 7] [--variants ...]   (bench/results/gpu-h100/real_gaps.log)
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ VARIANTS = {
     "enn": dict(backend="enn"),
     "enn precision off": dict(backend="enn", options={"precision": False}),
     "enn guard off": dict(backend="enn", options={"guard": "off"}),
+    "enn attention off": dict(backend="enn", options={"attention": False}),
 }
+DEFAULT_VARIANTS = "inductor,enn,enn precision off,enn guard off"
 
 
 def kernel_time(step, n: int = 10) -> tuple[float, float]:
@@ -47,12 +49,13 @@ def kernel_time(step, n: int = 10) -> tuple[float, float]:
     return total_us / 1e3 / n, len(events) / n
 
 
-def run_workload(name: str, mode: str, rounds: int) -> None:
+def run_workload(name: str, mode: str, rounds: int, variants: list[str]) -> None:
     from triton.testing import do_bench
 
     amp = autocast("cuda", "bf16")
     steps = {}
-    for variant, kwargs in VARIANTS.items():
+    for variant in variants:
+        kwargs = VARIANTS[variant]
         entry = models.build(name, "gpu-real", device="cuda", seed=0)
         m = entry.model if mode == "train" else entry.model.eval()
         fn = torch.compile(m, **kwargs)
@@ -113,7 +116,8 @@ def main() -> None:
     ap.add_argument("--only", default="")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--train-steps", type=int, default=80)
-    ap.add_argument("--divergence", default="hf_bloom,hf_t5")
+    ap.add_argument("--divergence", default="hf_bloom,hf_t5", help="training workloads to check for divergence ('' : none)")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -128,7 +132,7 @@ def main() -> None:
     for w in (a.only.split(",") if a.only else WORKLOADS):
         name, mode = w.split(":")
         torch._dynamo.reset()
-        run_workload(name, mode, a.rounds)
+        run_workload(name, mode, a.rounds, a.variants.split(","))
 
 
 if __name__ == "__main__":
