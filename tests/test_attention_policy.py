@@ -14,7 +14,7 @@ from enn_backend.passes.attention.policy import CHECKERS, AttentionProblem, choo
 def problem(**kw):
     base = dict(device="cuda", capability=(9, 0), dtype="bfloat16", head_dim=64, head_dim_v=64, tq=1024, tk=1024,
                 heads_q=16, heads_kv=16, causal=True, window=0, has_mask=False, has_bias=False, bias_grad=False,
-                alibi=False, training=True)
+                alibi=False, training=True, batch=4)
     base.update(kw)
     return AttentionProblem(**base)
 
@@ -42,6 +42,21 @@ def test_policy_choices():
     assert choose(problem(device="cpu", capability=(0, 0), bias_grad=True, has_bias=True)).backend == "explicit"
     forced = choose(problem(device="cpu", capability=(0, 0)), backend="cudnn")
     assert forced.backend == "cpu_flash" and "cudnn impossible" in forced.forced_failed  # a forced kernel stays fused
+
+
+def test_small_cuda_key_padding_stays_with_inductor():
+    """Below CUDA_MIN_PADDING_SCORES a key-padding site's fused path costs more host time than it
+    saves on the device (bench/gpu_attention_size.py): T5's cross-attention (6.3M scores) stays
+    with Inductor, with the reason; BERT's (50M) is fused; a forced order still fuses."""
+    t5_cross = problem(causal=False, has_bias=True, bias_finite=True, key_padding=True, training=False,
+                       batch=8, heads_q=12, heads_kv=12, tq=128, tk=512)
+    got = choose(t5_cross)
+    assert got.backend == "inductor" and "6.3M scores" in got.reason and "host time" in got.reason, got
+    bert = problem(causal=False, has_bias=True, bias_finite=True, key_padding=True, training=False,
+                   batch=16, heads_q=12, heads_kv=12, tq=512, tk=512)
+    assert choose(bert).backend == "cudnn"
+    assert choose(t5_cross, order="cudnn,efficient").backend == "cudnn"
+    assert choose(problem(batch=1, tq=128, tk=128)).backend == "cudnn"  # no padding: no threshold
 
 
 def test_policy_sends_saturating_biases_to_the_memory_efficient_kernel_except_in_fp16():

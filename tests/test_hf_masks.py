@@ -193,12 +193,13 @@ EFFICIENT_BWD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("seq", [24, PADDED_SEQ])
 def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_bias(seq, monkeypatch):
-    """HF LLaMA eager, left padding, bf16 autocast, the default CUDA order: cuDNN (Hopper) or
-    memory-efficient attention with is_causal and the [B, 1, 1, Tk] bias (13 keys: its rows laid
-    out at multiples of 8 elements), no T x T tensor in the graph; the mask's constants read as
-    on the CPU; logits -- the padded query rows, which keep no key, included -- and every gradient
-    equal eager's."""
-    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    """HF LLaMA eager, left padding, bf16 autocast, the CUDA kernels in the default order (named:
+    at this size the default policy leaves padded attention to Inductor, policy.CUDA_MIN_PADDING_SCORES):
+    cuDNN (Hopper) or memory-efficient attention with is_causal and the [B, 1, 1, Tk] bias (13
+    keys: its rows laid out at multiples of 8 elements), no T x T tensor in the graph; the mask's
+    constants read as on the CPU; logits -- the padded query rows, which keep no key, included --
+    and every gradient equal eager's."""
+    monkeypatch.setenv("ENN_ATTENTION_ORDER", "cudnn,efficient")
     model = _AutocastLogits(_model("llama", "eager").cuda())
     mask = torch.ones(B, seq, dtype=torch.long, device="cuda")
     mask[1, :PADDED] = 0

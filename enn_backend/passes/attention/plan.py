@@ -93,7 +93,7 @@ def _problem(m: Match, k: fx.Node, v: fx.Node, st: Structure, bias_grad: bool, t
         has_mask=bool(st.keep), has_bias=st.has_bias or padding, bias_grad=bias_grad, alibi=st.alibi is not None,
         training=training, bias_finite=padding or st.bias_finite(), bias_may_saturate=st.bias_may_saturate(),
         static_shapes=all(isinstance(d, int) for d in (qv.shape[-2], kv.shape[-2])), key_padding=padding,
-        dropout=m.dropout.p if m.dropout is not None else 0.0)
+        dropout=m.dropout.p if m.dropout is not None else 0.0, batch=_hint(qv.shape[0]))
 
 
 def _refusal(m: Match, st: Structure, backend: Backend, v: fx.Node, kernel: Kernel) -> str:

@@ -36,6 +36,14 @@ DEFAULT_ORDER_CPU = (B.CPU_FLASH, B.EXPLICIT)
 # Inductor's own fused C++ softmax: the policy leaves such attention to Inductor ("inductor").
 CPU_MIN_SCORES = 64 * 64
 
+# Below this many scores per call (B * Hq * Tq * Tk) a CUDA attention with key padding stays with
+# Inductor. Measured on an H100 (bench/gpu_attention_size.py, bf16 inference, attention_size.log):
+# the fused path -- cuDNN's host cost, the shared padding bias, the dead-row fix-up -- costs 55-105 us
+# more host time per call than Inductor's unfused code, and saves -3 us of device time at 1.6M
+# scores, 0 at 6.3M (T5's cross-attention), 27 at 25M, 74 at 50M (BERT). Below the threshold the
+# saving never pays for the host time, which a short step (T5 inference) waits for.
+CUDA_MIN_PADDING_SCORES = 1 << 25
+
 
 def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
     if p.device == "cpu" and p.tq * p.tk < CPU_MIN_SCORES and not p.bias_grad:
@@ -54,6 +62,9 @@ def check_inductor(p: AttentionProblem) -> tuple[bool, str]:
         # ALiBi / window structure goes to FlexAttention in the graph; where flex cannot take it
         # (dynamic shapes, head dim), enn::attention would run it through a materialized bias.
         return True, "CUDA ALiBi/window that FlexAttention cannot take here: " + check_flex(p)[1]
+    if p.device == "cuda" and p.key_padding and p.scores < CUDA_MIN_PADDING_SCORES:
+        return True, (f"CUDA key padding, {p.scores / 1e6:.1f}M scores (< {CUDA_MIN_PADDING_SCORES / 1e6:.0f}M): the fused "
+                      "path costs more host time than it saves on the device (bench/gpu_attention_size.py)")
     if p.device == "cuda" and p.key_padding and p.window > 0:
         # SDPA's kernels have no window flag and flex takes no padding bias: the window would be
         # materialized inside enn::attention, measured slower than Inductor (below).

@@ -35,6 +35,12 @@ class AttentionProblem:
     bias_finite: bool = False  # the bias provably holds no -inf (e.g. HF's (1 - mask) * finfo.min)
     bias_may_saturate: bool = False  # ... but may hold finfo.min: a fully masked row is uniform in eager
     key_padding: bool = False  # the bias is a [B, 1, 1, Tk] key-padding bias, rows that keep no key fixed up
+    batch: int = 1
+
+    @property
+    def scores(self) -> int:
+        """Attention scores per call, ``B * Hq * Tq * Tk``: what an unfused attention writes and reads back."""
+        return self.batch * self.heads_q * self.tq * self.tk
 
     @property
     def low_precision(self) -> bool:
