@@ -17,12 +17,17 @@ Run:  python bench/gpu_attention_size.py   (bench/results/gpu-h100/attention_siz
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
 
 import enn_backend  # noqa: F401  (registers backend="enn")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_real_gaps import kernel_time  # noqa: E402  (the device time of a step, one way for both scripts)
 
 # (name, B, H, Tq, Tk, D)
 SIZES = [
@@ -53,15 +58,7 @@ def host_us(fn, steps: int) -> float:
 
 
 def device_us(fn, n: int = 20) -> float:
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time_total for e in ev) / n
+    return kernel_time(fn, n)[0] * 1e3
 
 
 def compare(label: str, fns: dict, rounds: int, steps: int) -> None:
