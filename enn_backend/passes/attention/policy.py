@@ -41,7 +41,9 @@ CPU_MIN_SCORES = 64 * 64
 # the fused path -- cuDNN's host cost, the shared padding bias, the dead-row fix-up -- costs 55-105 us
 # more host time per call than Inductor's unfused code, and saves -3 us of device time at 1.6M
 # scores, 0 at 6.3M (T5's cross-attention), 27 at 25M, 74 at 50M (BERT). Below the threshold the
-# saving never pays for the host time, which a short step (T5 inference) waits for.
+# saving never pays for the host time, which a short step (T5 inference) waits for. Training was
+# not measured apart: its backward adds both more host time (the dead rows' gradients) and more
+# device time saved.
 CUDA_MIN_PADDING_SCORES = 1 << 25
 
 
