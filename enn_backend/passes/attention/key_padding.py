@@ -79,11 +79,10 @@ def take(st: Structure, m: Match, dims: Dims, state: Optional[ModuleState]) -> t
     holds no gradient (:func:`~.provenance.magnitude_bound`), so DeadRows' closed form is whole."""
     if st.floors or st.keep or st.alibi is not None or st.causal or m.three_d:
         return None, ""
-    masks = [t for t in st.bias if t.factor == 1.0 and additive_mask_fill(t.node, state) is not None]
+    masks = [(t, f) for t in st.bias if t.factor == 1.0 and (f := additive_mask_fill(t.node, state)) is not None]
     if len(masks) != 1:
         return None, ""
-    term = masks[0]
-    fill = additive_mask_fill(term.node, state)
+    term, fill = masks[0]
     for other in st.bias:
         if other is not term:
             bound = magnitude_bound(other.node)

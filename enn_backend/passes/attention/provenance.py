@@ -265,7 +265,8 @@ def magnitude_bound(n: Any, depth: int = 0) -> Optional[float]:
     elif t in (aten.full.default, aten.scalar_tensor.default):
         b = bound(args[1] if t is aten.full.default else args[0])
     elif t is aten.where.self:
-        b = _max(bound(args[1]), bound(args[2]))
+        a, c2 = bound(args[1]), bound(args[2])
+        b = None if a is None or c2 is None else max(a, c2)
     elif t in (aten.neg.default, aten.abs.default):
         b = bound(args[0])
     elif t in (aten.add.Tensor, aten.sub.Tensor):
@@ -276,19 +277,11 @@ def magnitude_bound(n: Any, depth: int = 0) -> Optional[float]:
         a, c2 = bound(args[0]), bound(args[1])
         b = None if a is None or c2 is None else a * c2
     elif t is aten.div.Tensor:
-        d = scalar(args[1])
-        b = None if not d else _div(bound(args[0]), abs(d))
+        d, a = scalar(args[1]), bound(args[0])
+        b = None if not d or a is None else a / abs(d)
     else:
         b = None
     return b if b is not None and b <= top else None  # past the dtype's range: an infinity
-
-
-def _max(a: Optional[float], b: Optional[float]) -> Optional[float]:
-    return None if a is None or b is None else max(a, b)
-
-
-def _div(a: Optional[float], d: float) -> Optional[float]:
-    return None if a is None else a / d
 
 
 def may_saturate(n: Any, depth: int = 0) -> bool:
