@@ -284,6 +284,30 @@ def test_hf_sdpa_left_padding_on_cuda_keeps_its_mask_with_the_reason(monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hf_sdpa_left_padding_inference_on_cuda_runs_flex_with_eager_values(monkeypatch):
+    """Batched generation's prefill: HF's SDPA call with left padding, compiled by enn through
+    Inductor, runs FlexAttention with the padding block mask; every position's logits (the padded
+    rows, which cuDNN weighs over every key, included) equal eager's."""
+    import enn_backend
+
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    model = _AutocastLogits(_model("qwen2", "sdpa").cuda().eval())
+    seq = 256  # whole flex blocks
+    mask = torch.ones(B, seq, dtype=torch.long, device="cuda")
+    mask[1, :PADDED * 20] = 0
+    ids = torch.randint(3, 128, (B, seq), device="cuda").masked_fill(mask == 0, 0)
+    enn_backend.reset()
+    with torch.no_grad():
+        want = model(ids, mask)
+        got = torch.compile(model, backend="enn")(ids, mask)
+    choices = [c for g in enn_backend.report().to_dict()["graphs"] for c in g["kernel_choices"]]
+    assert [c["choice"] for c in choices if c.get("sdpa_call")] == ["flex"] * LAYERS, choices
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got[1, :PADDED * 20].float(), want[1, :PADDED * 20].float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_hf_bert_sdpa_padding_on_cuda_becomes_a_broadcast_padding_mask(monkeypatch):
     """An encoder's padding mask (no band) reaches the kernel as a [B, 1, 1, Tk] mask broadcast as
     a view, with the same fill at the same keys: every row equals what the model computes."""
@@ -492,3 +516,113 @@ def test_a_mask_that_drops_every_key_is_not_a_band():
     got = [c for c in run.choices if c["choice"] == "cpu_flash"]
     assert len(got) == LAYERS and all(not c["causal"] and c["bias"] for c in got), got
     run.check_eager()
+
+
+# ----------------------------------------------------------------------------- SDPA's CUDA kernels, left padding, flex
+# The CUDA kernels' calls traced on the CPU (their fake kernels have no device check) and run
+# after the pass: once flex replaced them, the graph runs here.
+FLEX_T = 256  # whole flex blocks
+CUDNN_FILL = -65504.0
+
+
+def _hf_keep(pad: torch.Tensor) -> torch.Tensor:
+    b = torch.arange(pad.shape[0])[:, None, None, None]
+    i = torch.arange(FLEX_T)[None, None, :, None]
+    j = torch.arange(FLEX_T)[None, None, None, :]
+    return (j <= i) & pad.bool()[b, j]
+
+
+def cudnn_left_padded(q, k, v, pad):
+    bias = torch.where(_hf_keep(pad).expand(B, 1, FLEX_T, FLEX_T), 0.0, CUDNN_FILL)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False, 0.0, False)[0]
+
+
+def efficient_left_padded(q, k, v, pad):
+    bias = torch.where(_hf_keep(pad).expand(B, 1, FLEX_T, FLEX_T), 0.0, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, 0.0, False)[0]
+
+
+def _flex_pad() -> torch.Tensor:
+    pad = torch.ones(B, FLEX_T, dtype=torch.long)
+    pad[1, :40] = 0  # 40 rows that keep no key, a partial first block
+    return pad
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
+def test_cuda_sdpa_left_padding_inference_becomes_flex_with_the_kernels_dead_rows(kernel, monkeypatch):
+    """What each kernel makes of a row that keeps no key is kept: cuDNN weighs every key by its
+    score plus the fill (rounded in fp32), the memory-efficient kernel gives zeros (measured on an
+    H100: bench/gpu_sdpa_left_padding.py). No T x T tensor is left; the block mask is built once."""
+    from enn_backend.passes.attention.kernels.flex_padding import PaddedCausalFlex
+
+    monkeypatch.setattr(PaddedCausalFlex, "DEVICES", ("cuda", "cpu"))
+    q, k, v = (torch.randn(B, 2, FLEX_T, 16) for _ in range(3))
+    pad = _flex_pad()
+    fn = cudnn_left_padded if kernel == "cudnn" else efficient_left_padded
+    run = run_passes(fn, [q, k, v, pad], ["attention"], training=False)
+    (c,) = run.choices
+    assert c["choice"] == "flex" and c["causal"] and c["key_padding"], c
+    assert not _square(run.after, FLEX_T)
+    assert len(find_ops(run.after, torch.ops.higher_order.flex_attention)) == 1
+    keep = _hf_keep(pad)
+    dead = ~keep.any(-1, keepdim=True)
+    scores = q @ k.transpose(-1, -2) * 16 ** -0.5
+    if kernel == "cudnn":
+        want = torch.softmax(scores + torch.where(keep, 0.0, torch.where(dead, CUDNN_FILL, float("-inf"))), -1) @ v
+    else:
+        want = (torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v).nan_to_num(0.0)
+    torch.testing.assert_close(run.output, want, atol=2e-6, rtol=2e-5)
+    assert run.output[1, :, :40].abs().max() > 0.1 if kernel == "cudnn" else run.output[1, :, :40].eq(0).all()
+
+
+def test_flex_for_left_padding_only_in_cuda_inference_with_whole_blocks(monkeypatch):
+    """Where flex is not used, and why: training (slower than the kernel with its mask at T=1024),
+    the CPU (the kernels' dead rows were measured on CUDA), lengths that are not whole blocks, head
+    dims the Triton template does not take."""
+    from enn_backend.passes.attention.kernels.flex_padding import PaddedCausalFlex
+
+    def why(shape, training=False):
+        q = torch.empty(shape, device="meta")
+        return PaddedCausalFlex.check(q, q, training)
+
+    assert "used on cuda only" in why((2, 4, 256, 64))[1]
+    monkeypatch.setattr(PaddedCausalFlex, "DEVICES", ("cuda", "meta"))  # a meta tensor stands for a CUDA one
+    assert why((2, 4, 256, 64)) == (True, "")
+    assert "training" in why((2, 4, 256, 64), training=True)[1]
+    assert "not a multiple of flex's 128-row blocks" in why((2, 4, 200, 64))[1]
+    assert "power-of-two head dim" in why((2, 4, 256, 80))[1]
+
+
+@pytest.mark.parametrize("padded, heads", [((1, 40), 1), ((1, 128), 2), ((0, 256), 2), (None, 3)])
+@pytest.mark.parametrize("dead_rows_keep_every_key", [True, False])
+def test_padding_block_mask_in_closed_form_equals_create_block_mask(padded, heads, dead_rows_keep_every_key):
+    """The block-level closed form marks the same blocks (full and partial) as flex's own
+    ``create_block_mask`` evaluating the mask at every position: a partial first block, a whole
+    padded block, a sequence padded whole, none."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from enn_backend.passes.attention.kernels import flex_padding as fp
+
+    keep = torch.ones(2, FLEX_T, dtype=torch.bool)
+    if padded is not None:
+        keep[padded[0], :padded[1]] = False
+    dead = fp.dead_rows(keep)
+    parts = fp.block_parts(keep, dead, heads, dead_rows_keep_every_key)
+    assert parts[0].shape == (2, heads, FLEX_T // 128)
+    if dead_rows_keep_every_key:
+        def mask_mod(b, h, q, kv):
+            return fp.causal_padding_dead_rows_mask_mod(b, h, q, kv, keep, dead)
+    else:
+        def mask_mod(b, h, q, kv):
+            return fp.causal_padding_mask_mod(b, h, q, kv, keep)
+    want = create_block_mask(mask_mod, 2, heads, FLEX_T, FLEX_T, device="cpu")
+    torch.testing.assert_close(parts[0], want.kv_num_blocks)
+    torch.testing.assert_close(parts[2], want.full_kv_num_blocks)
+    for num, idx, want_num, want_idx in ((parts[0], parts[1], want.kv_num_blocks, want.kv_indices),
+                                         (parts[2], parts[3], want.full_kv_num_blocks, want.full_kv_indices)):
+        for b in range(2):
+            for h in range(heads):
+                for m in range(FLEX_T // 128):
+                    n = int(num[b, h, m])
+                    assert n == int(want_num[b, h, m])
+                    assert sorted(idx[b, h, m, :n].tolist()) == sorted(want_idx[b, h, m, :n].tolist())

@@ -29,6 +29,7 @@ ATTENTION_LAYERS = (
     {f"{A}.masks", f"{A}.regions"},
     {f"{A}.key_padding"},  # band flags + key padding, and the dead rows' closed form
     {f"{A}.kernels.sdpa", f"{A}.kernels.flex", f"{A}.kernels.enn_op"},
+    {f"{A}.kernels.flex_padding"},  # a model's own SDPA call with left padding, as flex
     {f"{A}.kernels"},
     {f"{A}.policy"},
     {f"{A}.plan"},

@@ -17,8 +17,10 @@ whole, so the two must agree on it:
 - a causal band alone: every row keeps its own key;
 - a causal band with key padding (left padding): the rows before a sequence's first kept key keep
   none. The CPU flash kernel gives such a row zeros whether its keys are dropped by the causal
-  flag or by -inf (bit-identical); the CUDA kernels weigh a row masked whole with a finite fill by
-  its raw scores over every key, which the causal flag would change, so there the mask stays.
+  flag or by -inf (bit-identical). On CUDA, cuDNN weighs a row masked whole by its raw scores over
+  every key and the memory-efficient kernel gives zeros, which a causal flag would change: in
+  inference such a call becomes FlexAttention with a block mask built from the padding vector
+  (kernels/flex_padding.py), which computes either; in training the mask stays.
 
 A re-planned call is enn's choice: it is tagged as emitted, so the guard's eager reference runs
 the op's safe path (enn's math) where it has one (custom_ops/attention/safe_paths.py). Anything
@@ -27,6 +29,7 @@ else keeps the mask as written, with the reason in the report.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -38,6 +41,7 @@ from ..fx_utils import is_call, shape
 from ..manager import PassContext, current_module_state
 from .emitter import Emitter
 from .constants import Dims
+from .kernels.flex_padding import PaddedCausalFlex
 from .provenance import KeepStructure, keep_structure
 from .match import scalar
 
@@ -123,7 +127,9 @@ def _padding_mask(em: Emitter, ks: KeepStructure, like: fx.Node, fill: float) ->
     return em.call(aten.expand.default, (small, list(shape(like))))
 
 
-def _plan(n: fx.Node, op: SdpaOp) -> tuple[Optional[KeepStructure], str]:
+def _plan(n: fx.Node, op: SdpaOp, training: bool) -> tuple[Optional[KeepStructure], str]:
+    """The call's mask structure and how it is computed: ``(structure, "")`` for SDPA's flags,
+    ``(structure, "flex")`` for FlexAttention, ``(None, why)`` to keep the mask."""
     if scalar(op.dropout.get(n, 0.0)) != 0.0:
         return None, "attention dropout"
     keep, _ = _keep_of(op.mask.get(n))
@@ -140,25 +146,59 @@ def _plan(n: fx.Node, op: SdpaOp) -> tuple[Optional[KeepStructure], str]:
     if kind == "causal" and tq != tk:
         return None, "causal mask with Tq != Tk (SDPA's causal is top-left aligned)"
     if kind == "causal" and ks.key_padding is not None and not op.zero_dead_rows:
-        return None, (f"{ks.describe()}: a query row that keeps no key (left padding) is weighed by its raw "
-                      "scores over every key in this kernel, which a causal flag would change")
+        ok, why = PaddedCausalFlex.check(q.meta["val"], k.meta["val"], training)
+        if not ok:
+            return None, (f"{ks.describe()}: a query row that keeps no key (left padding) is computed by this "
+                          f"kernel in a way a causal flag would change, and {why}")
+        return ks, "flex"
     return ks, ""
+
+
+def _to_flex(n: fx.Node, op: SdpaOp, ks: KeepStructure, flex: PaddedCausalFlex) -> None:
+    """Replace the forward call ``n`` (an inference graph's: nothing reads its logsumexp) by flex."""
+    q, k, v = n.args[0:3]
+    scale = n.kwargs.get("scale")
+    scale = float(scale) if scale is not None else shape(q)[-1] ** -0.5
+    fill = None
+    if op.backend is Backend.CUDNN:  # a dead row weighs every key, its scores offset by the mask's fill
+        fill = float(torch.tensor(_keep_of(op.mask.get(n))[1], dtype=op.mask.get(n).meta["val"].dtype))
+    out = flex.attend(n, q, k, v, ks.key_padding, fill, scale)
+    for u in list(n.users):
+        if u.target is operator.getitem and u.args[1] == 0:
+            u.replace_all_uses_with(out)
+        if not u.users:
+            n.graph.erase_node(u)
+    if n.users:
+        raise RuntimeError(f"{n.name}: an output other than the attention result is read ({list(n.users)})")
+    n.graph.erase_node(n)
 
 
 def replan_sdpa_calls(graph: fx.Graph, mode: Any, ctx: PassContext) -> int:
     """Give each SDPA call of the graph the structure of its mask; the count of calls re-planned."""
     count = 0
     made: dict[tuple, fx.Node] = {}  # (padding vector, shape, dtype) -> the mask every call reading it gets
+    flex = PaddedCausalFlex(graph, mode)
     for n in list(graph.nodes):
         op = SDPA_OPS.get(n.target) if n.op == "call_function" else None
         if op is None or n.meta.get(EMITTED) or op.mask.get(n) is None or op.causal.get(n, False):
             continue  # enn's own kernel, nothing materialized, or a mask already re-planned (structure in the flag)
-        ks, why = _plan(n, op)
+        mask = op.mask.get(n)
+        backward = [u for u in graph.nodes if u.target is op.backward and u.args[1:4] == n.args[0:3]
+                    and op.backward_mask.get(u) is mask]
+        ks, how = _plan(n, op, training=bool(backward))
         if ks is None:
-            ctx.kernel_choice(n, op.backend.value, f"model's SDPA call keeps its materialized mask: {why}",
+            ctx.kernel_choice(n, op.backend.value, f"model's SDPA call keeps its materialized mask: {how}",
                               fused=False, sdpa_call=True)
             continue
-        mask = op.mask.get(n)
+        if how == "flex":
+            _to_flex(n, op, ks, flex)
+            ctx.kernel_choice(n, "flex", f"model's SDPA call re-planned from its mask's provenance ({ks.describe()}): "
+                              "FlexAttention with a block mask built from the padding vector per call, rows that "
+                              "keep no key as " + ("cuDNN weighs them (every key)" if op.backend is Backend.CUDNN
+                                                   else "the kernel gives them (zeros)"),
+                              fused=False, sdpa_call=True, causal=True, key_padding=True, training=False)
+            count += 1
+            continue
         new_mask, causal = None, ks.band[0] == "causal"
         if ks.key_padding is not None:
             fill = _keep_of(mask)[1]
@@ -166,8 +206,6 @@ def replan_sdpa_calls(graph: fx.Graph, mode: Any, ctx: PassContext) -> int:
             if key not in made:
                 made[key] = _padding_mask(Emitter(graph, mode, n), ks, mask, fill)
             new_mask = made[key]
-        backward = [u for u in graph.nodes if u.target is op.backward and u.args[1:4] == n.args[0:3]
-                    and op.backward_mask.get(u) is mask]
         edits = [(n, op.causal, op.mask)] + [(b, op.backward_causal, op.backward_mask) for b in backward]
         for node, causal_arg, mask_arg in edits:
             causal_arg.set(node, causal)

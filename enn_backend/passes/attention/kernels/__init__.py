@@ -4,6 +4,7 @@
 
 - sdpa.py: SDPA's ATen kernels themselves (flash / cuDNN / memory-efficient on CUDA, flash on CPU)
 - flex.py: FlexAttention higher-order ops, compiled by Inductor
+- flex_padding.py: a model's own SDPA call with a causal band and key padding, as flex (sdpa_calls.py)
 - enn_op.py: ``enn::attention``, which runs any backend with any mask
 """
 

@@ -173,6 +173,62 @@ def _fresh_attr(gm: torch.nn.Module, base: str) -> str:
     return f"{base}_{i}"
 
 
+def fake_like(n: fx.Node, grad: bool) -> torch.Tensor:
+    """A fresh tensor shaped and strided as ``n``'s value (made in the ambient fake mode)."""
+    x = val(n)
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).requires_grad_(grad)
+
+
+def splice_fragment(em: Emitter, frag: fx.GraphModule, inputs: list, grad_out: Optional[fx.Node] = None,
+                    first_bwd: Optional[fx.Node] = None) -> list:
+    """Copy a traced flex fragment into ``em``'s graph; its output nodes (None where it returns none).
+
+    ``inputs`` feed the fragment's primal placeholders in order, ``grad_out`` its one tangent
+    (training). Forward nodes go before ``em.before``, nodes that read the tangent before
+    ``first_bwd``, and the fragment's subgraphs (score_mod / mask_mod and their backward graphs)
+    are registered on the graph's module.
+    """
+    graph = em.graph
+    gm = graph.owning_module
+    if gm is None:
+        raise RuntimeError("flex attention needs the graph's owning module (for its subgraphs)")
+    places = [n for n in frag.graph.nodes if n.op == "placeholder"]
+    tangents = [n for n in places if n.name.startswith("tangents")]
+    primals = [n for n in places if n not in tangents]
+    training = grad_out is not None
+    if len(primals) != len(inputs) or len(tangents) != (1 if training else 0):
+        raise RuntimeError(f"flex fragment has {len(primals)} inputs / {len(tangents)} tangents, "
+                           f"expected {len(inputs)} / {int(training)}")
+    env: dict = dict(zip(primals, inputs))
+    if training:
+        env[tangents[0]] = grad_out
+    reads_grad = set(tangents)
+    for n in frag.graph.nodes:
+        if any(a in reads_grad for a in n.all_input_nodes):
+            reads_grad.add(n)
+    first_real = next(n for n in graph.nodes if n.op != "placeholder")
+    for n in frag.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "get_attr":  # score_mod / mask_mod and their backward graphs
+            sub = getattr(frag, n.target)
+            name = _fresh_attr(gm, f"enn_flex_{n.target}")
+            if isinstance(sub, torch.nn.Module):
+                gm.add_submodule(name, sub)
+            else:  # pragma: no cover - tensors come in as inputs; no other constants
+                gm.register_buffer(name, sub)
+            with graph.inserting_before(first_real):
+                env[n] = graph.get_attr(name)
+            env[n].meta = dict(n.meta)
+            em.tag(env[n])
+            continue
+        with graph.inserting_before(first_bwd if n in reads_grad else em.before):
+            env[n] = em.tag(graph.node_copy(n, lambda x: env[x]))
+    outs = next(n for n in frag.graph.nodes if n.op == "output").args[0]
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    return [env[o] if isinstance(o, fx.Node) else None for o in outs]
+
+
 class FlexKernel:
     """Splices a traced flex fragment (forward, and backward in training) into the graph."""
 
@@ -210,7 +266,7 @@ class FlexKernel:
         q, k, v = (em.call(torch.ops.aten.clone.default, (n,)) if copy else n
                    for n, copy in zip((self.ops.q, self.ops.k, self.ops.v), _shared_operands(self.plan)))
         causal, window, scale = self.plan.structure.causal, int(self.plan.structure.window), float(self.plan.match.scale)
-        grad_out, first_bwd, before = self.grad_in, self.plan.regions.first_backward, em.before
+        grad_out, first_bwd = self.grad_in, self.plan.regions.first_backward
         training = grad_out is not None
         gm = graph.owning_module
         if gm is None:
@@ -232,50 +288,14 @@ class FlexKernel:
             # (as it does for the constants traced code makes); FlexConstantsPass drops it.
             mask_inputs.append(em.call(torch.ops.aten.lift_fresh_copy.default, (node,), before=first_real))
         with mode:
-            def fake(n: fx.Node, grad: bool) -> torch.Tensor:
-                x = val(n)
-                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).requires_grad_(grad)
-
-            fq, fk, fv = (fake(n, training) for n in (q, k, v))
-            fs = fake(slopes, False) if slopes is not None else None
+            fq, fk, fv = (fake_like(n, training) for n in (q, k, v))
+            fs = fake_like(slopes, False) if slopes is not None else None
             fake_parts = tuple(mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in parts)
             frag = _fragment(fq, fk, fv, fs, fake_parts, scale, training, pos_dtype, bias_dtype)
 
-        places = [n for n in frag.graph.nodes if n.op == "placeholder"]
-        tangents = [n for n in places if n.name.startswith("tangents")]
-        primals = [n for n in places if n not in tangents]
-        inputs = [q, k, v] + mask_inputs + ([slopes] if slopes is not None else [])
-        if len(primals) != len(inputs) or len(tangents) != (1 if training else 0):
-            raise RuntimeError(f"flex fragment has {len(primals)} inputs / {len(tangents)} tangents, "
-                               f"expected {len(inputs)} / {int(training)}")
-        env: dict = dict(zip(primals, inputs))
-        if training:
-            env[tangents[0]] = grad_out
-        reads_grad = set(tangents)
-        for n in frag.graph.nodes:
-            if any(a in reads_grad for a in n.all_input_nodes):
-                reads_grad.add(n)
-        for n in frag.graph.nodes:
-            if n.op in ("placeholder", "output"):
-                continue
-            if n.op == "get_attr":  # score_mod / mask_mod and their backward graphs
-                sub = getattr(frag, n.target)
-                name = _fresh_attr(gm, f"enn_flex_{n.target}")
-                if isinstance(sub, torch.nn.Module):
-                    gm.add_submodule(name, sub)
-                else:  # pragma: no cover - the block mask comes in as inputs; no other constants
-                    gm.register_buffer(name, sub)
-                with graph.inserting_before(first_real):
-                    env[n] = graph.get_attr(name)
-                env[n].meta = dict(n.meta)
-                em.tag(env[n])
-                continue
-            with graph.inserting_before(first_bwd if n in reads_grad else before):
-                env[n] = em.tag(graph.node_copy(n, lambda x: env[x]))
-        outs = next(n for n in frag.graph.nodes if n.op == "output").args[0]
-        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        grads = [env[o] if isinstance(o, fx.Node) else None for o in outs[1:4]] if training else None
-        return env[outs[0]], grads
+        outs = splice_fragment(em, frag, [q, k, v] + mask_inputs + ([slopes] if slopes is not None else []),
+                               grad_out, first_bwd)
+        return outs[0], (outs[1:4] if training else None)
 
 
 class FlexConstantsPass(EnnPass):
