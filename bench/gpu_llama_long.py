@@ -1,10 +1,11 @@
 """Long-context LLaMA on the GPU: Hugging Face's LlamaForCausalLM from a random config (2 layers,
-D=128, GQA 4:1, bf16 autocast), one training step (forward, backward, AdamW) under eager, Inductor
-and enn, with eager and sdpa attention, with and without left padding; then SDPA alone on the
-same attention shapes, fwd+bwd, for every kernel that takes ``is_causal`` (the yardstick for
-what enn's fused attention should cost).
+D=128, GQA 4:1, bf16 autocast), one training step (forward, backward, AdamW; or with ``--mode
+infer`` one forward without gradients, a prefill) under eager, Inductor and enn, with eager and
+sdpa attention, with and without left padding; first SDPA alone on the same attention shapes,
+fwd+bwd, for every kernel that takes ``is_causal`` (the yardstick for what enn's fused attention
+should cost).
 
-    python bench/gpu_llama_long.py [--t 4096] [--impls eager,sdpa] [--pad 0,256] [--out DIR]
+    python bench/gpu_llama_long.py [--t 4096] [--impls eager,sdpa] [--pad 0,256] [--mode train|infer] [--out DIR]
 
 Prints a table per row: step time per backend (median of interleaved rounds and spread),
 enn/inductor, enn's fusions and kernel choices, fallback lines, host (CPU) and kernel (device)
@@ -48,6 +49,18 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | N
         out.loss.backward()
         opt.step()
         return out.loss
+
+    return step
+
+
+def infer_step(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None):
+    """One forward (a prefill): logits of every position, no gradients."""
+    model.eval()
+
+    @torch.no_grad()
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", torch.bfloat16):
+            return model(input_ids=ids, attention_mask=mask).logits
 
     return step
 
@@ -109,13 +122,18 @@ def main() -> None:
     ap.add_argument("--impls", default="eager,sdpa")
     ap.add_argument("--pad", default="0,256", help="left-padding lengths of sample 0 (0: no mask passed)")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--mode", default="train", choices=("train", "infer"),
+                    help="train: forward, backward, AdamW; infer: one forward without gradients")
+    ap.add_argument("--no-sdpa-alone", action="store_true", help="skip timing SDPA alone on the shapes")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, T={args.t} B={args.b}", flush=True)
     rows = []
-    sd = sdpa_alone(args.b, 16, 4, args.t, 128, args.rounds)
-    print("SDPA alone, fwd+bwd ms: " + ", ".join(f"{k} {v}" for k, v in sd.items()), flush=True)
-    rows.append({"sdpa_alone_fwd_bwd_ms": sd})
+    if not args.no_sdpa_alone:
+        sd = sdpa_alone(args.b, 16, 4, args.t, 128, args.rounds)
+        print("SDPA alone, fwd+bwd ms: " + ", ".join(f"{k} {v}" for k, v in sd.items()), flush=True)
+        rows.append({"sdpa_alone_fwd_bwd_ms": sd})
+    make_step = train_step if args.mode == "train" else infer_step
     for impl in args.impls.split(","):
         for pad in (int(p) for p in args.pad.split(",")):
             t0 = time.time()
@@ -129,20 +147,20 @@ def main() -> None:
             fns = {}
             for backend in ("eager", "inductor", "enn"):
                 m = llama(impl, args.t, args.layers)
-                fns[backend] = train_step(m if backend == "eager" else compile_with(m, {"backend": backend}), ids, mask)
+                fns[backend] = make_step(m if backend == "eager" else compile_with(m, {"backend": backend}), ids, mask)
             samples = Timer("cuda", rounds=args.rounds).measure(fns)
             enn = enn_summary(enn_units())
             med = {n: round(statistics.median(s), 3) for n, s in samples.items()}
             spread = {n: round((max(s) - min(s)) / statistics.median(s) * 100, 1) for n, s in samples.items()}
             peaks = {n: round(peak_mem_mb(f, "cuda") or 0) for n, f in fns.items()}
             hk = host_and_kernel(fns)
-            row = {"impl": impl, "pad": pad, "ms": med, "spread_pct": spread,
+            row = {"impl": impl, "pad": pad, "mode": args.mode, "ms": med, "spread_pct": spread,
                    "enn_vs_inductor": round(paired_ratio(samples["inductor"], samples["enn"]), 3),
                    "peak_mib": peaks, "host_kernel": hk, "fusions": enn["fusions"],
                    "kernel_choices": enn["kernel_choices"][:4], "fallbacks": enn["fallback_details"],
                    "seconds": round(time.time() - t0, 1)}
             rows.append(row)
-            print(f"{impl:6s} pad={pad:<4d} eager {med['eager']:8.2f}  inductor {med['inductor']:8.2f}  "
+            print(f"{impl:6s} {args.mode} pad={pad:<4d} eager {med['eager']:8.2f}  inductor {med['inductor']:8.2f}  "
                   f"enn {med['enn']:8.2f} ms  enn/inductor {row['enn_vs_inductor']:.3f}x  "
                   f"spread {spread}  peak {peaks}  fusions {enn['fusions']}  ({row['seconds']} s)", flush=True)
             for n, v in hk.items():

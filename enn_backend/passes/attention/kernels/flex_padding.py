@@ -146,7 +146,9 @@ class PaddedCausalFlex:
 
             dead = dead_rows(keep_v)
             parts = block_parts(keep_v, dead, heads, every_key_of_dead_rows=fill is not None)
-            bm = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_BLOCK, mask_mod=mask_mod, seq_lengths=(t, t))
+            # Forward only: the query-side indices (the backward's) are not built.
+            bm = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_BLOCK, mask_mod=mask_mod, seq_lengths=(t, t),
+                                          compute_q_blocks=False)
             flat = bm.as_tuple()
             template.extend(TENSOR if isinstance(x, torch.Tensor) else x for x in flat)
             buffers = [keep_v] if fill is None else [keep_v, dead, torch.where(dead, fill, 0.0).to(torch.float32)]
