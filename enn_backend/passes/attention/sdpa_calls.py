@@ -18,10 +18,9 @@ whole, so the two must agree on it:
 - a causal band with key padding (left padding): the rows before a sequence's first kept key keep
   none. The CPU flash kernel gives such a row zeros whether its keys are dropped by the causal
   flag or by -inf (bit-identical). On CUDA, cuDNN weighs a row masked whole by its raw scores over
-  every key and the memory-efficient kernel gives zeros, which a causal flag would change: such a
-  call becomes FlexAttention with a block mask built from the padding vector
-  (kernels/flex_padding.py), which computes either; in training from T=4096 only (below, flex's
-  backward is the slower one), else the mask stays.
+  every key and the memory-efficient kernel gives zeros, which a causal flag would change: in
+  inference such a call becomes FlexAttention with a block mask built from the padding vector
+  (kernels/flex_padding.py), which computes either; in training the mask stays.
 
 A re-planned call is enn's choice: it is tagged as emitted, so the guard's eager reference runs
 the op's safe path (enn's math) where it has one (custom_ops/attention/safe_paths.py). Anything
@@ -155,28 +154,23 @@ def _plan(n: fx.Node, op: SdpaOp, training: bool) -> tuple[Optional[KeepStructur
     return ks, ""
 
 
-def _to_flex(n: fx.Node, op: SdpaOp, ks: KeepStructure, backward: list[fx.Node], flex: PaddedCausalFlex) -> None:
-    """Replace the forward call ``n`` (and in training its backward) by flex."""
+def _to_flex(n: fx.Node, op: SdpaOp, ks: KeepStructure, flex: PaddedCausalFlex) -> None:
+    """Replace the forward call ``n`` (an inference graph's: nothing reads its logsumexp) by flex."""
     q, k, v = n.args[0:3]
     scale = n.kwargs.get("scale")
     scale = float(scale) if scale is not None else shape(q)[-1] ** -0.5
     fill = None
     if op.backend is Backend.CUDNN:  # a dead row weighs every key, its scores offset by the mask's fill
         fill = float(torch.tensor(_keep_of(op.mask.get(n))[1], dtype=op.mask.get(n).meta["val"].dtype))
-    if len(backward) > 1:
-        raise RuntimeError(f"{n.name}: {len(backward)} backward calls read this forward call")
-    out, grads = flex.attend(n, q, k, v, ks.key_padding, fill, scale, backward[0] if backward else None)
-    results = [(n, [out])] + [(b, grads) for b in backward]
-    for node, new in reversed(results):  # the backward first: it reads the forward's outputs
-        for u in list(node.users):
-            i = u.args[1] if u.target is operator.getitem else None
-            if i is not None and i < len(new) and new[i] is not None:
-                u.replace_all_uses_with(new[i])
-            if not u.users:
-                node.graph.erase_node(u)
-        if node.users:
-            raise RuntimeError(f"{node.name}: an output flex does not compute is read ({list(node.users)})")
-        node.graph.erase_node(node)
+    out = flex.attend(n, q, k, v, ks.key_padding, fill, scale)
+    for u in list(n.users):
+        if u.target is operator.getitem and u.args[1] == 0:
+            u.replace_all_uses_with(out)
+        if not u.users:
+            n.graph.erase_node(u)
+    if n.users:
+        raise RuntimeError(f"{n.name}: an output other than the attention result is read ({list(n.users)})")
+    n.graph.erase_node(n)
 
 
 def replan_sdpa_calls(graph: fx.Graph, mode: Any, ctx: PassContext) -> int:
@@ -197,12 +191,12 @@ def replan_sdpa_calls(graph: fx.Graph, mode: Any, ctx: PassContext) -> int:
                               fused=False, sdpa_call=True)
             continue
         if how == "flex":
-            _to_flex(n, op, ks, backward, flex)
+            _to_flex(n, op, ks, flex)
             ctx.kernel_choice(n, "flex", f"model's SDPA call re-planned from its mask's provenance ({ks.describe()}): "
                               "FlexAttention with a block mask built from the padding vector per call, rows that "
                               "keep no key as " + ("cuDNN weighs them (every key)" if op.backend is Backend.CUDNN
                                                    else "the kernel gives them (zeros)"),
-                              fused=False, sdpa_call=True, causal=True, key_padding=True, training=bool(backward))
+                              fused=False, sdpa_call=True, causal=True, key_padding=True, training=False)
             count += 1
             continue
         new_mask, causal = None, ks.band[0] == "causal"

@@ -21,10 +21,9 @@ that vector. It is built per query head: with one head broadcast over all of the
 on torch 2.11 returned wrong values and then an illegal memory access (per-batch masks,
 ``pytorch/pytorch#172225`` reports the same class of fault).
 
-In training flex's forward + backward measured 2x slower than cuDNN with the materialized mask at
-T=1024 (1.111 vs 0.563 ms) and 1.28x faster at T=4096 (4.99 vs 6.40), so a training call takes
-flex from T=4096 (``MIN_TRAINING_SCORES``) and keeps its mask below. Forward alone: 0.092 vs 0.176
-ms at T=1024, 0.915 vs 1.855 at T=4096.
+Inference only: in training flex's forward + backward measured 2x slower than cuDNN with the
+materialized mask at T=1024 (1.111 vs 0.563 ms) and 1.28x faster at T=4096, so a training call
+keeps its mask. Forward alone: 0.092 vs 0.176 ms at T=1024, 0.915 vs 1.855 at T=4096.
 """
 
 from __future__ import annotations
@@ -98,7 +97,6 @@ class PaddedCausalFlex:
     """
 
     DEVICES = ("cuda",)  # where the kernels' dead-row semantics were measured
-    MIN_TRAINING_SCORES = 4096 * 4096  # Tq * Tk from which flex's forward + backward measured faster
 
     def __init__(self, graph: fx.Graph, mode: Any) -> None:
         self.graph, self.mode = graph, mode
@@ -106,14 +104,14 @@ class PaddedCausalFlex:
 
     @staticmethod
     def check(q: torch.Tensor, k: torch.Tensor, training: bool) -> tuple[bool, str]:
+        if training:
+            return False, ("in training flex's forward + backward is slower than this kernel with the mask "
+                           "at T=1024 (bench/gpu_sdpa_left_padding.py)")
         if q.device.type not in PaddedCausalFlex.DEVICES:
             return False, f"flex with a per-call padding block mask is used on {', '.join(PaddedCausalFlex.DEVICES)} only"
         if not all(isinstance(s, int) for s in (*q.shape, *k.shape)):
             return False, "the padding block mask is built for fixed sizes (dynamic shapes here)"
         t, d = q.shape[-2], q.shape[-1]
-        if training and t * k.shape[-2] < PaddedCausalFlex.MIN_TRAINING_SCORES:
-            return False, (f"in training flex's forward + backward is slower than this kernel with the mask below "
-                           f"Tq * Tk = {PaddedCausalFlex.MIN_TRAINING_SCORES} (bench/gpu_sdpa_left_padding.py)")
         if t % _BLOCK:
             return False, f"sequence length {t} is not a multiple of flex's {_BLOCK}-row blocks"
         if d < 16 or d & (d - 1):
@@ -121,28 +119,23 @@ class PaddedCausalFlex:
         return True, ""
 
     def attend(self, call: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, keep: fx.Node, fill: Optional[float],
-               scale: float, backward: Optional[fx.Node] = None) -> tuple[fx.Node, Optional[list]]:
-        """``call``'s attention output computed by flex, and in training (``backward``: the call's
-        backward op, whose first argument is the output's gradient) [dq, dk, dv]. Forward nodes go
-        before ``call``, backward nodes before ``backward``."""
+               scale: float) -> fx.Node:
+        """The attention output of ``call`` computed by flex; nodes go before ``call``."""
         em = Emitter(self.graph, self.mode, call)
-        training = backward is not None
         heads = int(q.meta["val"].shape[1])
-        key = (keep, heads, fill, training)
+        key = (keep, heads, fill)
         if key not in self._shared:
-            self._shared[key] = self._block_mask(em, keep, heads, fill, training)
+            self._shared[key] = self._block_mask(em, keep, heads, fill)
         mask_nodes, template = self._shared[key]
         n_mask = sum(1 for x in template if x is TENSOR)
         with self.mode:
-            fq, fk, fv = (fake_like(n, training) for n in (q, k, v))
+            fq, fk, fv = (fake_like(n, False) for n in (q, k, v))
             fakes = [fake_like(n, False) for n in mask_nodes]
-            frag = _attend_fragment(fq, fk, fv, fakes[:n_mask], fakes[n_mask:], template, scale, fill is not None,
-                                    training)
-        outs = splice_fragment(em, frag, [q, k, v, *mask_nodes], backward.args[0] if training else None, backward)
-        return outs[0], (outs[1:4] if training else None)
+            frag = _attend_fragment(fq, fk, fv, fakes[:n_mask], fakes[n_mask:], template, scale, fill is not None)
+        (out,) = splice_fragment(em, frag, [q, k, v, *mask_nodes])
+        return out
 
-    def _block_mask(self, em: Emitter, keep: fx.Node, heads: int, fill: Optional[float],
-                    training: bool) -> tuple[list, list]:
+    def _block_mask(self, em: Emitter, keep: fx.Node, heads: int, fill: Optional[float]) -> tuple[list, list]:
         """Splice the block-mask builder for ``keep``: (its output nodes, the ``as_tuple`` template)."""
         template: list = []
         t = int(keep.meta["val"].shape[-1])
@@ -153,9 +146,9 @@ class PaddedCausalFlex:
 
             dead = dead_rows(keep_v)
             parts = block_parts(keep_v, dead, heads, every_key_of_dead_rows=fill is not None)
-            # The query-side indices are the backward's: built in training only.
+            # Forward only: the query-side indices (the backward's) are not built.
             bm = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_BLOCK, mask_mod=mask_mod, seq_lengths=(t, t),
-                                          compute_q_blocks=training)
+                                          compute_q_blocks=False)
             flat = bm.as_tuple()
             template.extend(TENSOR if isinstance(x, torch.Tensor) else x for x in flat)
             buffers = [keep_v] if fill is None else [keep_v, dead, torch.where(dead, fill, 0.0).to(torch.float32)]
@@ -169,14 +162,12 @@ class PaddedCausalFlex:
 
 
 def _attend_fragment(q, k, v, mask_tensors: list, buffers: list, template: list, scale: float,
-                     dead_rows_keep_every_key: bool, training: bool) -> fx.GraphModule:
-    """Trace flex on (fake) q, k, v with the block mask's tensors as inputs: the forward, or in
-    training the joint forward + backward (as Inductor traces its training replacements)."""
+                     dead_rows_keep_every_key: bool) -> fx.GraphModule:
+    """Trace the flex forward on (fake) q, k, v with the block mask's tensors as inputs."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     flex_hop = compat.flex_attention_hop()
-    options = compat.flex_kernel_options(q, k, v, training)
-    options["OUTPUT_LOGSUMEXP"] = training  # the backward reads the forward's logsumexp
+    options = compat.flex_kernel_options(q, k, v, False)
     n_mask = len(mask_tensors)
 
     def fn(q, k, v, *rest):
@@ -190,11 +181,8 @@ def _attend_fragment(q, k, v, mask_tensors: list, buffers: list, template: list,
             out = flex_hop(q, k, v, _identity_score_mod, parts, scale, options, (), tuple(bufs))
         return out[0]
 
-    args = [q, k, v, *mask_tensors, *buffers]
-    if training:
-        return compat.joint_fwd_bwd(fn, args)
     with torch.no_grad():
-        return make_fx(fn, decomposition_table=compat.select_decomp_table())(*args)
+        return make_fx(fn, decomposition_table=compat.select_decomp_table())(q, k, v, *mask_tensors, *buffers)
 
 
 def _identity_score_mod(score, b, h, q_idx, kv_idx):
