@@ -11,7 +11,10 @@ an fp64 reference. Part 2 times forward and forward + backward (bf16): SDPA with
 default dispatch, cuDNN and memory-efficient forced), cuDNN ``is_causal`` without a mask (the
 floor: it ignores padding), and FlexAttention compiled with a block mask built in closed form from
 the padding vector on every call (dead rows keep every key, scored with the kernel's fill), on
-repeated and on grouped K/V; its values against the default dispatch's.
+repeated and on grouped K/V, built per query head; its values against the default dispatch's.
+The SDPA rows include HF's ``repeat_kv`` copy of K/V. ``flex, grouped, one head broadcast`` (one
+block-mask head for every query head) gave wrong values and then an illegal memory access on
+torch 2.11: run it last, or leave it out with ``--variants``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from enn_backend.passes.attention.kernels import flex_padding as fp
 try:
     from triton.testing import do_bench
 except ImportError:  # the block-mask builder is importable (and checked) on a CPU machine
@@ -55,10 +60,6 @@ def hf_mask(keep):
     return (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
 
 
-def dead_rows(keep):
-    return keep.long().cumsum(-1) == 0  # [B, Tq]: causal rows that keep no key
-
-
 def sdpa(kernel, q, k, v, mask):
     if KERNELS[kernel] is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -66,48 +67,20 @@ def sdpa(kernel, q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def padding_block_mask(keep, dead, fill_dead_rows: bool, buffers=torch.bool, heads: int = 1):
-    """The BlockMask of ``(causal & keep[b, kv]) | dead[b, q]`` in closed form at block level."""
-    b, t = keep.shape
-    nb = t // BLOCK
-    kb, db = keep.view(b, nb, BLOCK), dead.view(b, nb, BLOCK)
-    key_any, key_all, dead_any, dead_all = kb.any(-1), kb.all(-1), db.any(-1), db.all(-1)
-    m = torch.arange(nb, device=keep.device).view(nb, 1)
-    n = torch.arange(nb, device=keep.device).view(1, nb)
-    some = (n <= m) & key_any[:, None, :]
-    full = (n < m) & key_all[:, None, :] & ~dead_any[:, :, None]
-    if fill_dead_rows:
-        some = some | dead_any[:, :, None]
-        full = full | dead_all[:, :, None]
-    partial = some & ~full
-
-    def ordered(dense):
-        dense = dense[:, None].expand(b, heads, nb, nb).to(torch.int32)  # heads > 1: no broadcast over heads
-        num = dense.sum(-1).to(torch.int32)
-        idx = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
-        return num, idx
-
-    kv_num, kv_idx = ordered(partial)
-    full_num, full_idx = ordered(full)
-    dead_k, keep_k = (dead, keep) if buffers is torch.bool else (dead.to(buffers), keep.to(buffers))
-
-    def mask_mod(bb, h, qi, ki):
-        kept = keep_k[bb, ki] if buffers is torch.bool else keep_k[bb, ki] > 0
-        live = (ki <= qi) & kept
-        if not fill_dead_rows:
-            return live
-        return live | (dead_k[bb, qi] if buffers is torch.bool else dead_k[bb, qi] > 0)
-
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(t, t))
+def padding_block_mask(keep, dead, fill_dead_rows: bool, heads: int):
+    """enn's block mask for ``(causal & keep[b, kv]) | dead[b, q]`` (kernels/flex_padding.py)."""
+    mask_mod = fp.causal_padding_dead_rows_mask_mod if fill_dead_rows else fp.causal_padding_mask_mod
+    buffers = (keep, dead) if fill_dead_rows else (keep,)
+    return BlockMask.from_kv_blocks(*fp.block_parts(keep, dead, heads, fill_dead_rows), BLOCK_SIZE=BLOCK,
+                                    mask_mod=lambda b, h, q, kv: mask_mod(b, h, q, kv, *buffers),
+                                    seq_lengths=(keep.shape[1], keep.shape[1]))
 
 
-def flex_padded(q, k, v, keep, fill, buffers=torch.bool, expand_heads=False):
+def flex_padded(q, k, v, keep, fill, per_head=True):
     """Flex with the padding block mask; ``fill`` None: dead rows keep no key (zeros, as the
     memory-efficient kernel), else every key, scores offset by ``fill`` (as cuDNN)."""
-    dead = dead_rows(keep)
-    bm = padding_block_mask(keep, dead, fill_dead_rows=fill is not None, buffers=buffers,
-                            heads=q.shape[1] if expand_heads else 1)
+    dead = fp.dead_rows(keep)
+    bm = padding_block_mask(keep, dead, fill is not None, q.shape[1] if per_head else 1)
     offset = torch.where(dead, fill, 0.0).float() if fill is not None else None
 
     def score_mod(score, bb, h, qi, ki):
@@ -125,7 +98,7 @@ def semantics(shape, log):
     b, hq, hkv, t, d = shape
     q, k, v, keep = inputs(b, hq, hkv, t, d, seed=1)
     kr, vr = repeat_kv(k, hq // hkv), repeat_kv(v, hq // hkv)
-    mask, dead = hf_mask(keep), dead_rows(keep)
+    mask, dead = hf_mask(keep), fp.dead_rows(keep)
     scale = d ** -0.5
     s = (q.double() @ kr.double().transpose(-1, -2)) * scale
     raw_all = torch.softmax(s, -1) @ vr.double()
@@ -155,9 +128,8 @@ def semantics(shape, log):
 
 
 VARIANTS = ["sdpa default + mask", "sdpa cudnn + mask", "sdpa efficient + mask", "cudnn is_causal (no padding)",
-            "flex, repeated K/V", "flex, grouped K/V", "flex, grouped, mask per head",
-            "flex, grouped, no padding, per head", "flex, grouped, int32 buffers", "flex, grouped, dead rows zero",
-            "flex, grouped, no padding"]
+            "flex, repeated K/V", "flex, grouped K/V", "flex, grouped, dead rows zero",
+            "flex, grouped, one head broadcast"]  # the last: wrong values, then a fault, on torch 2.11
 
 
 def timing(shape, log, fill, names=None):
@@ -169,20 +141,15 @@ def timing(shape, log, fill, names=None):
     flex_fn = torch.compile(flex_padded, fullgraph=True)
 
     def variant(name):
-        if name == "flex, repeated K/V":
-            return lambda q, k, v: flex_fn(q, repeat_kv(k, rep), repeat_kv(v, rep), keep, fill)
-        if name == "flex, grouped K/V":
-            return lambda q, k, v: flex_fn(q, k, v, keep, fill)
-        if name == "flex, grouped, mask per head":
-            return lambda q, k, v: flex_fn(q, k, v, keep, fill, torch.bool, True)
-        if name == "flex, grouped, no padding, per head":
-            return lambda q, k, v: flex_fn(q, k, v, torch.ones_like(keep), None, torch.bool, True)
-        if name == "flex, grouped, int32 buffers":
-            return lambda q, k, v: flex_fn(q, k, v, keep, fill, torch.int32)
-        if name == "flex, grouped, dead rows zero":
-            return lambda q, k, v: flex_fn(q, k, v, keep, None)
-        if name == "flex, grouped, no padding":
-            return lambda q, k, v: flex_fn(q, k, v, torch.ones_like(keep), None)
+        if name.startswith("flex"):
+            gqa = "repeated" not in name
+            fill_ = None if "dead rows zero" in name else fill
+            per_head = "one head broadcast" not in name
+
+            def f(q, k, v):
+                kk, vv = (k, v) if gqa else (repeat_kv(k, rep), repeat_kv(v, rep))
+                return flex_fn(q, kk, vv, keep, fill_, per_head)
+            return f
         if name == "cudnn is_causal (no padding)":
             def f(q, k, v):
                 with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -193,7 +160,7 @@ def timing(shape, log, fill, names=None):
 
     names = names or VARIANTS
     ref = sdpa("default", q, repeat_kv(k, rep), repeat_kv(v, rep), mask).float()
-    dead = dead_rows(keep)[:, None, :, None].expand_as(ref)
+    dead = fp.dead_rows(keep)[:, None, :, None].expand_as(ref)
     rows = []
     log(f"\n== timing B{b} Hq{hq} Hkv{hkv} T{t} D{d} bf16, left padding T/4 on every second row ==")
     log(f"  {'variant':32s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} {'live rel':>9s} {'dead rel':>9s}")

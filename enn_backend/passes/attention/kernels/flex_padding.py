@@ -21,9 +21,13 @@ that vector. It is built per query head: with one head broadcast over all of the
 on torch 2.11 returned wrong values and then an illegal memory access (per-batch masks,
 ``pytorch/pytorch#172225`` reports the same class of fault).
 
-Inference only: in training flex's forward + backward measured 2x slower than cuDNN with the
-materialized mask at T=1024 (1.111 vs 0.563 ms) and 1.28x faster at T=4096, so a training call
-keeps its mask. Forward alone: 0.092 vs 0.176 ms at T=1024, 0.915 vs 1.855 at T=4096.
+Inference only. In training flex's forward + backward measured 2x slower than cuDNN with the
+materialized mask at T=1024 (1.111 vs 0.563 ms) and 1.28x faster at T=4096 (4.99 vs 6.40); but the
+guard's eager reference runs flex's backward op as torch runs it outside a compile, densely and
+vmapped over every score with the padding vectors indexed inside: at T=4096 (B=2, 4 heads) one
+such backward ran for over 150 s.
+So a training call keeps its mask. Forward alone: 0.092 vs 0.176 ms at T=1024, 0.915 vs 1.855 at
+T=4096 (the SDPA times include HF's K/V head copy).
 """
 
 from __future__ import annotations
@@ -105,8 +109,9 @@ class PaddedCausalFlex:
     @staticmethod
     def check(q: torch.Tensor, k: torch.Tensor, training: bool) -> tuple[bool, str]:
         if training:
-            return False, ("in training flex's forward + backward is slower than this kernel with the mask "
-                           "at T=1024 (bench/gpu_sdpa_left_padding.py)")
+            return False, ("in training flex's forward + backward is slower than this kernel with the mask at "
+                           "T=1024, and at T=4096, where it is faster, the guard's eager run of its backward takes "
+                           "minutes (kernels/flex_padding.py)")
         if q.device.type not in PaddedCausalFlex.DEVICES:
             return False, f"flex with a per-call padding block mask is used on {', '.join(PaddedCausalFlex.DEVICES)} only"
         if not all(isinstance(s, int) for s in (*q.shape, *k.shape)):
