@@ -7,7 +7,8 @@ transformers' ``sdpa`` attention (under torch.compile) hands SDPA a ``[B, 1, T, 
 causal, and-ed with the ``[B, T]`` padding vector. With left padding the first rows of a padded
 sequence keep no key ("dead rows"). Part 1 prints, per SDPA kernel, how far its dead rows are from
 (a) zeros, (b) softmax over every key of the raw scores, (c) the mean of V, and its live rows from
-an fp64 reference. Part 2 times forward and forward + backward (bf16): SDPA with the mask (the
+an fp64 reference; then the memory-efficient kernel under the mask against ``is_causal`` with the
+``[B, 1, 1, Tk]`` padding mask, outputs and gradients. Part 2 times forward and forward + backward (bf16): SDPA with the mask (the
 default dispatch, cuDNN and memory-efficient forced), cuDNN ``is_causal`` without a mask (the
 floor: it ignores padding), and FlexAttention compiled with a block mask built in closed form from
 the padding vector on every call (dead rows keep every key, scored with the kernel's fill), on
@@ -67,24 +68,22 @@ def sdpa(kernel, q, k, v, mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def padding_block_mask(keep, dead, fill_dead_rows: bool, heads: int):
+def padding_block_mask(keep, dead, heads: int):
     """enn's block mask for ``(causal & keep[b, kv]) | dead[b, q]`` (kernels/flex_padding.py)."""
-    mask_mod = fp.causal_padding_dead_rows_mask_mod if fill_dead_rows else fp.causal_padding_mask_mod
-    buffers = (keep, dead) if fill_dead_rows else (keep,)
-    return BlockMask.from_kv_blocks(*fp.block_parts(keep, dead, heads, fill_dead_rows), BLOCK_SIZE=BLOCK,
-                                    mask_mod=lambda b, h, q, kv: mask_mod(b, h, q, kv, *buffers),
+    return BlockMask.from_kv_blocks(*fp.block_parts(keep, dead, heads), BLOCK_SIZE=BLOCK,
+                                    mask_mod=lambda b, h, q, kv: fp.causal_padding_mask_mod(b, h, q, kv, keep, dead),
                                     seq_lengths=(keep.shape[1], keep.shape[1]))
 
 
 def flex_padded(q, k, v, keep, fill, per_head=True):
-    """Flex with the padding block mask; ``fill`` None: dead rows keep no key (zeros, as the
-    memory-efficient kernel), else every key, scores offset by ``fill`` (as cuDNN)."""
+    """Flex with the padding block mask: dead rows keep every key, scores offset by ``fill`` (as
+    cuDNN computes them)."""
     dead = fp.dead_rows(keep)
-    bm = padding_block_mask(keep, dead, fill is not None, q.shape[1] if per_head else 1)
-    offset = torch.where(dead, fill, 0.0).float() if fill is not None else None
+    bm = padding_block_mask(keep, dead, q.shape[1] if per_head else 1)
+    offset = torch.where(dead, fill, 0.0).float()
 
     def score_mod(score, bb, h, qi, ki):
-        return score + offset[bb, qi] if offset is not None else score
+        return score + offset[bb, qi]
 
     return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -128,8 +127,35 @@ def semantics(shape, log):
 
 
 VARIANTS = ["sdpa default + mask", "sdpa cudnn + mask", "sdpa efficient + mask", "cudnn is_causal (no padding)",
-            "flex, repeated K/V", "flex, grouped K/V", "flex, grouped, dead rows zero",
-            "flex, grouped, one head broadcast"]  # the last: wrong values, then a fault, on torch 2.11
+            "flex, repeated K/V", "flex, grouped K/V", "flex, grouped, one head broadcast"]  # the last: wrong values, then a fault, on torch 2.11
+
+
+def efficient_with_the_causal_flag(shape, log):
+    """The memory-efficient kernel on left padding: the materialized mask (as HF hands it over)
+    against ``is_causal`` plus the ``[B, 1, 1, Tk]`` padding mask (-inf), outputs and gradients."""
+    b, hq, hkv, t, d = shape
+    q, k, v, keep = inputs(b, hq, hkv, t, d, seed=2)
+    k, v = repeat_kv(k, hq // hkv), repeat_kv(v, hq // hkv)
+    g = torch.randn_like(q)
+    pad = torch.where(keep[:, None, None, :], 0.0, float("-inf")).to(q.dtype).expand(b, hq, t, t)
+    runs = {}
+    for name in ("mask", "flag"):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        if name == "mask":
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=hf_mask(keep))
+        else:
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, pad, True, 0.0, True)[0]
+        out.backward(g)
+        runs[name] = [out.detach(), qq.grad, kk.grad, vv.grad]
+    dead = fp.dead_rows(keep)[:, None, :, None].expand_as(q)
+    diffs = {n: (a.float() - c.float()).abs().max().item() for n, a, c in zip(("out", "dq", "dk", "dv"), runs["mask"], runs["flag"])}
+    nan = {name: any(bool(torch.isnan(x).any()) for x in r) for name, r in runs.items()}
+    log(f"\n== memory-efficient, left padding (B{b} H{hq} T{t} D{d}): mask vs is_causal + [B,1,1,Tk] padding mask ==")
+    log("  max |difference|: " + "  ".join(f"{n} {v:.3g}" for n, v in diffs.items())
+        + f"  dead rows of the flag run all zero: {bool(runs['flag'][0][dead].eq(0).all())}"
+        + f"  dq of dead rows zero: {bool(runs['flag'][1][dead].eq(0).all())}  NaN: {nan}")
+    return {"diffs": diffs, "nan": nan}
 
 
 def timing(shape, log, fill, names=None):
@@ -143,12 +169,11 @@ def timing(shape, log, fill, names=None):
     def variant(name):
         if name.startswith("flex"):
             gqa = "repeated" not in name
-            fill_ = None if "dead rows zero" in name else fill
             per_head = "one head broadcast" not in name
 
             def f(q, k, v):
                 kk, vv = (k, v) if gqa else (repeat_kv(k, rep), repeat_kv(v, rep))
-                return flex_fn(q, kk, vv, keep, fill_, per_head)
+                return flex_fn(q, kk, vv, keep, fill, per_head)
             return f
         if name == "cudnn is_causal (no padding)":
             def f(q, k, v):
@@ -191,6 +216,7 @@ def main() -> None:
                     help="score offset of dead rows in flex (the cuDNN mask fill); default: from part 1")
     ap.add_argument("--variants", default="", help="semicolon-separated subset of the timed variants (default: all)")
     ap.add_argument("--skip-semantics", action="store_true")
+    ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     lines = []
@@ -204,9 +230,10 @@ def main() -> None:
     result = {"semantics": [], "timing": []}
     for shape in shapes if not args.skip_semantics else ():
         result["semantics"].append(semantics(shape, log))
+        result["semantics"].append(efficient_with_the_causal_flag(shape, log))
     fill = args.fill if args.fill is not None else -65536.0  # bf16's rounding of fp16's lowest, cuDNN's fill
     log(f"\nflex dead rows: every key, scores offset by {fill}")
-    for shape in shapes:
+    for shape in shapes if not args.skip_timing else ():
         result["timing"].append(timing(shape, log, fill, [v for v in args.variants.split(";") if v]))
     with open(os.path.join(args.out, "sdpa_left_padding.json"), "w") as f:
         json.dump(result, f, indent=1)

@@ -308,6 +308,32 @@ def test_hf_sdpa_left_padding_inference_on_cuda_runs_flex_with_eager_values(monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_hf_sdpa_left_padding_on_the_efficient_kernel_takes_the_causal_flag(monkeypatch):
+    """Where SDPA dispatches to the memory-efficient kernel (GPUs without cuDNN attention, or as
+    asked here), a row that keeps no key is zeros under the mask and under the causal flag alike:
+    training gets is_causal and the [B, 1, 1, Tk] padding mask, forward and backward, and stays as
+    close to an fp32 run as eager."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    monkeypatch.delenv("ENN_ATTENTION_ORDER")
+    model = _AutocastLogits(_model("qwen2", "sdpa").cuda())
+    mask = torch.ones(B, 24, dtype=torch.long, device="cuda")
+    mask[1, :PADDED] = 0
+    ids = torch.randint(3, 128, (B, 24), device="cuda").masked_fill(mask == 0, 0)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        run = run_passes(model, [ids, mask], ["attention"], training=True)
+        got = _sdpa_choices(run)
+        assert len(got) == LAYERS and all(c["causal"] and c["key_padding"] and c["choice"] == "efficient"
+                                          for c in got), got
+        kernels = find_ops(run.after, EFFICIENT) + find_ops(run.after, EFFICIENT_BWD)
+        assert len(kernels) == 2 * LAYERS and not _square(run.after, 24)
+        with torch.no_grad():
+            torch.testing.assert_close(run.output.float(), model(ids, mask).float(), atol=3e-2, rtol=3e-2)
+        _assert_as_close_to_fp32_as_eager(model, run, ids, mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_hf_bert_sdpa_padding_on_cuda_becomes_a_broadcast_padding_mask(monkeypatch):
     """An encoder's padding mask (no band) reaches the kernel as a [B, 1, 1, Tk] mask broadcast as
     a view, with the same fill at the same keys: every row equals what the model computes."""
@@ -537,29 +563,22 @@ def cudnn_left_padded(q, k, v, pad):
     return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False, 0.0, False)[0]
 
 
-def efficient_left_padded(q, k, v, pad):
-    bias = torch.where(_hf_keep(pad).expand(B, 1, FLEX_T, FLEX_T), 0.0, float("-inf"))
-    return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, 0.0, False)[0]
-
-
 def _flex_pad() -> torch.Tensor:
     pad = torch.ones(B, FLEX_T, dtype=torch.long)
     pad[1, :40] = 0  # 40 rows that keep no key, a partial first block
     return pad
 
 
-@pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
-def test_cuda_sdpa_left_padding_inference_becomes_flex_with_the_kernels_dead_rows(kernel, monkeypatch):
-    """What each kernel makes of a row that keeps no key is kept: cuDNN weighs every key by its
-    score plus the fill (rounded in fp32), the memory-efficient kernel gives zeros (measured on an
-    H100: bench/gpu_sdpa_left_padding.py). No T x T tensor is left; the block mask is built once."""
+def test_cudnn_left_padding_inference_becomes_flex_with_cudnns_dead_rows(monkeypatch):
+    """A row that keeps no key comes out as cuDNN computes it: every key weighed by its score plus
+    the fill (rounded in fp32) (measured on an H100: bench/gpu_sdpa_left_padding.py). No T x T
+    tensor is left, and one flex call replaces the kernel."""
     from enn_backend.passes.attention.kernels.flex_padding import PaddedCausalFlex
 
     monkeypatch.setattr(PaddedCausalFlex, "DEVICES", ("cuda", "cpu"))
     q, k, v = (torch.randn(B, 2, FLEX_T, 16) for _ in range(3))
     pad = _flex_pad()
-    fn = cudnn_left_padded if kernel == "cudnn" else efficient_left_padded
-    run = run_passes(fn, [q, k, v, pad], ["attention"], training=False)
+    run = run_passes(cudnn_left_padded, [q, k, v, pad], ["attention"], training=False)
     (c,) = run.choices
     assert c["choice"] == "flex" and c["causal"] and c["key_padding"], c
     assert not _square(run.after, FLEX_T)
@@ -567,12 +586,9 @@ def test_cuda_sdpa_left_padding_inference_becomes_flex_with_the_kernels_dead_row
     keep = _hf_keep(pad)
     dead = ~keep.any(-1, keepdim=True)
     scores = q @ k.transpose(-1, -2) * 16 ** -0.5
-    if kernel == "cudnn":
-        want = torch.softmax(scores + torch.where(keep, 0.0, torch.where(dead, CUDNN_FILL, float("-inf"))), -1) @ v
-    else:
-        want = (torch.softmax(scores.masked_fill(~keep, float("-inf")), -1) @ v).nan_to_num(0.0)
+    want = torch.softmax(scores + torch.where(keep, 0.0, torch.where(dead, CUDNN_FILL, float("-inf"))), -1) @ v
     torch.testing.assert_close(run.output, want, atol=2e-6, rtol=2e-5)
-    assert run.output[1, :, :40].abs().max() > 0.1 if kernel == "cudnn" else run.output[1, :, :40].eq(0).all()
+    assert run.output[1, :, :40].abs().max() > 0.1  # the dead rows are not zeros
 
 
 def test_flex_for_left_padding_only_in_cuda_inference_with_whole_blocks(monkeypatch):
@@ -594,8 +610,7 @@ def test_flex_for_left_padding_only_in_cuda_inference_with_whole_blocks(monkeypa
 
 
 @pytest.mark.parametrize("padded, heads", [((1, 40), 1), ((1, 128), 2), ((0, 256), 2), (None, 3)])
-@pytest.mark.parametrize("dead_rows_keep_every_key", [True, False])
-def test_padding_block_mask_in_closed_form_equals_create_block_mask(padded, heads, dead_rows_keep_every_key):
+def test_padding_block_mask_in_closed_form_equals_create_block_mask(padded, heads):
     """The block-level closed form marks the same blocks (full and partial) as flex's own
     ``create_block_mask`` evaluating the mask at every position: a partial first block, a whole
     padded block, a sequence padded whole, none."""
@@ -607,15 +622,10 @@ def test_padding_block_mask_in_closed_form_equals_create_block_mask(padded, head
     if padded is not None:
         keep[padded[0], :padded[1]] = False
     dead = fp.dead_rows(keep)
-    parts = fp.block_parts(keep, dead, heads, dead_rows_keep_every_key)
+    parts = fp.block_parts(keep, dead, heads)
     assert parts[0].shape == (2, heads, FLEX_T // 128)
-    if dead_rows_keep_every_key:
-        def mask_mod(b, h, q, kv):
-            return fp.causal_padding_dead_rows_mask_mod(b, h, q, kv, keep, dead)
-    else:
-        def mask_mod(b, h, q, kv):
-            return fp.causal_padding_mask_mod(b, h, q, kv, keep)
-    want = create_block_mask(mask_mod, 2, heads, FLEX_T, FLEX_T, device="cpu")
+    want = create_block_mask(lambda b, h, q, kv: fp.causal_padding_mask_mod(b, h, q, kv, keep, dead),
+                             2, heads, FLEX_T, FLEX_T, device="cpu")
     torch.testing.assert_close(parts[0], want.kv_num_blocks)
     torch.testing.assert_close(parts[2], want.full_kv_num_blocks)
     for num, idx, want_num, want_idx in ((parts[0], parts[1], want.kv_num_blocks, want.kv_indices),

@@ -17,10 +17,11 @@ whole, so the two must agree on it:
 - a causal band alone: every row keeps its own key;
 - a causal band with key padding (left padding): the rows before a sequence's first kept key keep
   none. The CPU flash kernel gives such a row zeros whether its keys are dropped by the causal
-  flag or by -inf (bit-identical). On CUDA, cuDNN weighs a row masked whole by its raw scores over
-  every key and the memory-efficient kernel gives zeros, which a causal flag would change: in
+  flag or by -inf (bit-identical); so does CUDA's memory-efficient kernel (its outputs equal, its
+  gradients equal within bf16 rounding: ``python bench/gpu_sdpa_left_padding.py``). cuDNN weighs a
+  row masked whole by its raw scores over every key, which the causal flag would change: in
   inference such a call becomes FlexAttention with a block mask built from the padding vector
-  (kernels/flex_padding.py), which computes either; in training the mask stays.
+  (kernels/flex_padding.py), which computes that row as cuDNN does; in training the mask stays.
 
 A re-planned call is enn's choice: it is tagged as emitted, so the guard's eager reference runs
 the op's safe path (enn's math) where it has one (custom_ops/attention/safe_paths.py). Anything
@@ -90,7 +91,7 @@ SDPA_OPS: dict[Any, SdpaOp] = {
         _MASK, _DROPOUT, _CAUSAL, Arg(8, "attn_bias"), Arg(14, "is_causal"), zero_dead_rows=False),
     aten._scaled_dot_product_efficient_attention.default: SdpaOp(
         Backend.EFFICIENT, aten._scaled_dot_product_efficient_attention_backward.default,
-        _MASK, _DROPOUT, _CAUSAL, Arg(4, "attn_bias"), Arg(11, "is_causal"), zero_dead_rows=False),
+        _MASK, _DROPOUT, _CAUSAL, Arg(4, "attn_bias"), Arg(11, "is_causal"), zero_dead_rows=True),
 }
 
 
@@ -148,8 +149,8 @@ def _plan(n: fx.Node, op: SdpaOp, training: bool) -> tuple[Optional[KeepStructur
     if kind == "causal" and ks.key_padding is not None and not op.zero_dead_rows:
         ok, why = PaddedCausalFlex.check(q.meta["val"], k.meta["val"], training)
         if not ok:
-            return None, (f"{ks.describe()}: a query row that keeps no key (left padding) is computed by this "
-                          f"kernel in a way a causal flag would change, and {why}")
+            return None, (f"{ks.describe()}: a query row that keeps no key (left padding) is weighed by its raw "
+                          f"scores over every key in this kernel, which a causal flag would change, and {why}")
         return ks, "flex"
     return ks, ""
 
@@ -159,9 +160,8 @@ def _to_flex(n: fx.Node, op: SdpaOp, ks: KeepStructure, flex: PaddedCausalFlex) 
     q, k, v = n.args[0:3]
     scale = n.kwargs.get("scale")
     scale = float(scale) if scale is not None else shape(q)[-1] ** -0.5
-    fill = None
-    if op.backend is Backend.CUDNN:  # a dead row weighs every key, its scores offset by the mask's fill
-        fill = float(torch.tensor(_keep_of(op.mask.get(n))[1], dtype=op.mask.get(n).meta["val"].dtype))
+    # A dead row weighs every key, its scores offset by the mask's fill as the kernel reads it.
+    fill = float(torch.tensor(_keep_of(op.mask.get(n))[1], dtype=op.mask.get(n).meta["val"].dtype))
     out = flex.attend(n, q, k, v, ks.key_padding, fill, scale)
     for u in list(n.users):
         if u.target is operator.getitem and u.args[1] == 0:
@@ -194,8 +194,7 @@ def replan_sdpa_calls(graph: fx.Graph, mode: Any, ctx: PassContext) -> int:
             _to_flex(n, op, ks, flex)
             ctx.kernel_choice(n, "flex", f"model's SDPA call re-planned from its mask's provenance ({ks.describe()}): "
                               "FlexAttention with a block mask built from the padding vector per call, rows that "
-                              "keep no key as " + ("cuDNN weighs them (every key)" if op.backend is Backend.CUDNN
-                                                   else "the kernel gives them (zeros)"),
+                              f"keep no key as {op.backend.value} weighs them (every key)",
                               fused=False, sdpa_call=True, causal=True, key_padding=True, training=False)
             count += 1
             continue

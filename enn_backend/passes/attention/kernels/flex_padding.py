@@ -5,15 +5,14 @@ T]`` boolean mask: causal, and-ed with the ``[B, T]`` padding vector. The first 
 left-padded sequence keep no key ("dead rows"), and what SDPA's CUDA kernels make of them is part
 of the result (``python bench/gpu_sdpa_left_padding.py``, torch 2.11, H100):
 
-- cuDNN adds a finite fill to every score of the row, so the row is a softmax over *every* key of
-  its raw scores (offset by the fill, which rounds them in fp32);
-- the memory-efficient kernel gives zeros.
+cuDNN adds a finite fill to every score of such a row, so the row is a softmax over *every* key of
+its raw scores (offset by the fill, which rounds them in fp32). The memory-efficient kernel gives
+it zeros, as it does under the causal flag, so its calls take the flag (sdpa_calls.py).
 
-So the causal flag cannot replace such a mask (it would drop the keys after the row). FlexAttention
-computes exactly the mask's semantics without the ``T x T`` tensor: ``mask_mod`` keeps
-``(kv <= q) & keep[b, kv]``, and for cuDNN also every key of a dead row, whose scores ``score_mod``
-offsets by the fill; flex gives zeros for a row that keeps no key, as the memory-efficient kernel
-does.
+So the causal flag cannot replace cuDNN's mask (it would drop the keys after the row).
+FlexAttention computes exactly the mask's semantics without the ``T x T`` tensor: ``mask_mod``
+keeps ``(kv <= q) & keep[b, kv]`` and every key of a dead row, whose scores ``score_mod`` offsets by
+the fill.
 
 The block mask follows from the padding vector at block level in closed form (:func:`block_parts`)
 on every call: built once per graph call by a few small kernels and shared by every layer reading
@@ -32,7 +31,7 @@ T=4096 (the SDPA times include HF's K/V head copy).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -50,27 +49,23 @@ def dead_rows(keep: torch.Tensor) -> torch.Tensor:
     return keep.to(torch.int32).cumsum(-1) == 0
 
 
-def block_parts(keep: torch.Tensor, dead: torch.Tensor, heads: int, every_key_of_dead_rows: bool) -> tuple:
-    """The block mask of ``(kv <= q) & keep[b, kv]`` (``| dead[b, q]`` when dead rows keep every
-    key) as ``(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)``, ``[B, heads, ...]``.
+def block_parts(keep: torch.Tensor, dead: torch.Tensor, heads: int) -> tuple:
+    """The block mask of ``((kv <= q) & keep[b, kv]) | dead[b, q]`` as ``(kv_num_blocks,
+    kv_indices, full_kv_num_blocks, full_kv_indices)``, ``[B, heads, ...]``.
 
-    Block (m, n) holds queries [mB, mB + B) and keys [nB, nB + B). Its rows keep some key of it
+    Block (m, n) holds queries [mB, mB + B) and keys [nB, nB + B). A live row keeps some key of it
     when n <= m and the key block keeps some key; every key when n < m and the key block keeps
-    every key (then no row of the query block is dead: each comes after a kept key). With dead
-    rows keeping every key, a query block with a dead row needs every key block, and a block whose
-    rows are all dead is full. A partial block gets ``mask_mod`` applied inside the kernel; a full
-    one does not.
+    every key. A dead row keeps every key: a query block with one needs every key block, and a
+    block whose rows are all dead is full. (A query block that follows a wholly kept key block has
+    no dead row.) A partial block gets ``mask_mod`` applied inside the kernel; a full one does not.
     """
     b, t = keep.shape
     nb = t // _BLOCK
     kb, db = keep.view(b, nb, _BLOCK), dead.view(b, nb, _BLOCK)
     rows = torch.arange(nb, device=keep.device).view(nb, 1)
     cols = torch.arange(nb, device=keep.device).view(1, nb)
-    some = (cols <= rows) & kb.any(-1)[:, None, :]
-    full = (cols < rows) & kb.all(-1)[:, None, :]
-    if every_key_of_dead_rows:
-        some = some | db.any(-1)[:, :, None]
-        full = full | db.all(-1)[:, :, None]
+    some = ((cols <= rows) & kb.any(-1)[:, None, :]) | db.any(-1)[:, :, None]
+    full = ((cols < rows) & kb.all(-1)[:, None, :]) | db.all(-1)[:, :, None]
     partial = some & ~full
 
     def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,11 +76,7 @@ def block_parts(keep: torch.Tensor, dead: torch.Tensor, heads: int, every_key_of
     return (*ordered(partial), *ordered(full))
 
 
-def causal_padding_mask_mod(b, h, q_idx, kv_idx, keep):
-    return (kv_idx <= q_idx) & keep[b, kv_idx]
-
-
-def causal_padding_dead_rows_mask_mod(b, h, q_idx, kv_idx, keep, dead):
+def causal_padding_mask_mod(b, h, q_idx, kv_idx, keep, dead):
     return ((kv_idx <= q_idx) & keep[b, kv_idx]) | dead[b, q_idx]
 
 
@@ -96,7 +87,7 @@ def dead_row_offset_score_mod(score, b, h, q_idx, kv_idx, offset):
 class PaddedCausalFlex:
     """Emits flex for the SDPA calls of one graph that read a causal band with key padding.
 
-    ``fill``: the kernel's score offset of a dead row (None: the kernel gives such a row zeros).
+    ``fill``: the kernel's score offset of a dead row (the mask's fill as the kernel reads it).
     The block mask of each padding vector is spliced in once, before the first call reading it.
     """
 
@@ -123,7 +114,7 @@ class PaddedCausalFlex:
             return False, f"flex's Triton template wants a power-of-two head dim >= 16, have {d}"
         return True, ""
 
-    def attend(self, call: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, keep: fx.Node, fill: Optional[float],
+    def attend(self, call: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node, keep: fx.Node, fill: float,
                scale: float) -> fx.Node:
         """The attention output of ``call`` computed by flex; nodes go before ``call``."""
         em = Emitter(self.graph, self.mode, call)
@@ -136,28 +127,27 @@ class PaddedCausalFlex:
         with self.mode:
             fq, fk, fv = (fake_like(n, False) for n in (q, k, v))
             fakes = [fake_like(n, False) for n in mask_nodes]
-            frag = _attend_fragment(fq, fk, fv, fakes[:n_mask], fakes[n_mask:], template, scale, fill is not None)
+            frag = _attend_fragment(fq, fk, fv, fakes[:n_mask], fakes[n_mask:], template, scale)
         (out,) = splice_fragment(em, frag, [q, k, v, *mask_nodes])
         return out
 
-    def _block_mask(self, em: Emitter, keep: fx.Node, heads: int, fill: Optional[float]) -> tuple[list, list]:
+    def _block_mask(self, em: Emitter, keep: fx.Node, heads: int, fill: float) -> tuple[list, list]:
         """Splice the block-mask builder for ``keep``: (its output nodes, the ``as_tuple`` template)."""
         template: list = []
         t = int(keep.meta["val"].shape[-1])
-        mask_mod = causal_padding_mask_mod if fill is None else causal_padding_dead_rows_mask_mod
 
         def build(keep_v: torch.Tensor):
             from torch.nn.attention.flex_attention import BlockMask
 
             dead = dead_rows(keep_v)
-            parts = block_parts(keep_v, dead, heads, every_key_of_dead_rows=fill is not None)
+            parts = block_parts(keep_v, dead, heads)
             # Forward only: the query-side indices (the backward's) are not built.
-            bm = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_BLOCK, mask_mod=mask_mod, seq_lengths=(t, t),
+            bm = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_BLOCK, mask_mod=causal_padding_mask_mod, seq_lengths=(t, t),
                                           compute_q_blocks=False)
             flat = bm.as_tuple()
             template.extend(TENSOR if isinstance(x, torch.Tensor) else x for x in flat)
-            buffers = [keep_v] if fill is None else [keep_v, dead, torch.where(dead, fill, 0.0).to(torch.float32)]
-            return [x for x in flat if isinstance(x, torch.Tensor)] + buffers
+            offset = torch.where(dead, fill, 0.0).to(torch.float32)
+            return [x for x in flat if isinstance(x, torch.Tensor)] + [keep_v, dead, offset]
 
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -166,8 +156,7 @@ class PaddedCausalFlex:
         return splice_fragment(em, frag, [keep]), template
 
 
-def _attend_fragment(q, k, v, mask_tensors: list, buffers: list, template: list, scale: float,
-                     dead_rows_keep_every_key: bool) -> fx.GraphModule:
+def _attend_fragment(q, k, v, mask_tensors: list, buffers: list, template: list, scale: float) -> fx.GraphModule:
     """Trace the flex forward on (fake) q, k, v with the block mask's tensors as inputs."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -178,17 +167,9 @@ def _attend_fragment(q, k, v, mask_tensors: list, buffers: list, template: list,
     def fn(q, k, v, *rest):
         it = iter(rest[:n_mask])
         parts = tuple(next(it) if x is TENSOR else x for x in template)
-        bufs = rest[n_mask:]
-        if dead_rows_keep_every_key:
-            keep, dead, offset = bufs
-            out = flex_hop(q, k, v, dead_row_offset_score_mod, parts, scale, options, (offset,), (keep, dead))
-        else:
-            out = flex_hop(q, k, v, _identity_score_mod, parts, scale, options, (), tuple(bufs))
-        return out[0]
+        keep, dead, offset = rest[n_mask:]
+        return flex_hop(q, k, v, dead_row_offset_score_mod, parts, scale, options, (offset,), (keep, dead))[0]
 
     with torch.no_grad():
         return make_fx(fn, decomposition_table=compat.select_decomp_table())(q, k, v, *mask_tensors, *buffers)
 
-
-def _identity_score_mod(score, b, h, q_idx, kv_idx):
-    return score
