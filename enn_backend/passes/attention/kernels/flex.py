@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
 
 BLOCK_MASK_ATTR = "enn_flex_block_mask"
-_BLOCK = 128  # FlexAttention's default sparse block size
+SPARSE_BLOCK = 128  # FlexAttention's default sparse block size
 _LOW = (torch.bfloat16, torch.float16)
 
 
@@ -75,13 +75,13 @@ def block_mask(causal: bool, window: int, tq: int, tk: int, device: torch.device
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
     mask_mod = band_mask_mod(causal, window)
-    if tq != tk or tq % _BLOCK:
+    if tq != tk or tq % SPARSE_BLOCK:
         return create_block_mask(mask_mod, None, None, tq, tk, device=device)
-    nb = tq // _BLOCK
+    nb = tq // SPARSE_BLOCK
     m = torch.arange(nb, device=device).view(nb, 1)
     n = torch.arange(nb, device=device).view(1, nb)
-    lo = (m - n) * _BLOCK - (_BLOCK - 1)  # smallest q - kv in the block
-    hi = (m - n) * _BLOCK + (_BLOCK - 1)  # largest
+    lo = (m - n) * SPARSE_BLOCK - (SPARSE_BLOCK - 1)  # smallest q - kv in the block
+    hi = (m - n) * SPARSE_BLOCK + (SPARSE_BLOCK - 1)  # largest
     some = torch.ones(nb, nb, dtype=torch.bool, device=device)
     full = torch.ones(nb, nb, dtype=torch.bool, device=device)
     if causal:
@@ -91,7 +91,7 @@ def block_mask(causal: bool, window: int, tq: int, tk: int, device: torch.device
     partial = some & ~full
     kv_num, kv_idx = compat.flex_dense_to_ordered(partial.view(1, 1, nb, nb))
     full_num, full_idx = compat.flex_dense_to_ordered(full.view(1, 1, nb, nb))
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=_BLOCK, mask_mod=mask_mod,
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=SPARSE_BLOCK, mask_mod=mask_mod,
                                     seq_lengths=(tq, tk))
 
 

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from .... import compat
 from ..emitter import Emitter
-from .flex import _BLOCK, fake_like, splice_fragment
+from .flex import SPARSE_BLOCK, fake_like, splice_fragment
 
 
 TENSOR = object()  # a tensor's slot in a BlockMask.as_tuple() template
@@ -60,8 +60,8 @@ def block_parts(keep: torch.Tensor, dead: torch.Tensor, heads: int) -> tuple:
     no dead row.) A partial block gets ``mask_mod`` applied inside the kernel; a full one does not.
     """
     b, t = keep.shape
-    nb = t // _BLOCK
-    kb, db = keep.view(b, nb, _BLOCK), dead.view(b, nb, _BLOCK)
+    nb = t // SPARSE_BLOCK
+    kb, db = keep.view(b, nb, SPARSE_BLOCK), dead.view(b, nb, SPARSE_BLOCK)
     rows = torch.arange(nb, device=keep.device).view(nb, 1)
     cols = torch.arange(nb, device=keep.device).view(1, nb)
     some = ((cols <= rows) & kb.any(-1)[:, None, :]) | db.any(-1)[:, :, None]
@@ -103,13 +103,14 @@ class PaddedCausalFlex:
             return False, ("in training flex's forward + backward is slower than this kernel with the mask at "
                            "T=1024, and at T=4096, where it is faster, the guard's eager run of its backward takes "
                            "minutes (kernels/flex_padding.py)")
-        if q.device.type not in PaddedCausalFlex.DEVICES:
-            return False, f"flex with a per-call padding block mask is used on {', '.join(PaddedCausalFlex.DEVICES)} only"
+        devices = PaddedCausalFlex.DEVICES
+        if q.device.type not in devices:
+            return False, f"flex with a per-call padding block mask is used on {', '.join(devices)} only"
         if not all(isinstance(s, int) for s in (*q.shape, *k.shape)):
             return False, "the padding block mask is built for fixed sizes (dynamic shapes here)"
         t, d = q.shape[-2], q.shape[-1]
-        if t % _BLOCK:
-            return False, f"sequence length {t} is not a multiple of flex's {_BLOCK}-row blocks"
+        if t % SPARSE_BLOCK:
+            return False, f"sequence length {t} is not a multiple of flex's {SPARSE_BLOCK}-row blocks"
         if d < 16 or d & (d - 1):
             return False, f"flex's Triton template wants a power-of-two head dim >= 16, have {d}"
         return True, ""
@@ -142,8 +143,8 @@ class PaddedCausalFlex:
             dead = dead_rows(keep_v)
             parts = block_parts(keep_v, dead, heads)
             # Forward only: the query-side indices (the backward's) are not built.
-            bm = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=_BLOCK, mask_mod=causal_padding_mask_mod, seq_lengths=(t, t),
-                                          compute_q_blocks=False)
+            bm = BlockMask.from_kv_blocks(*parts, BLOCK_SIZE=SPARSE_BLOCK, mask_mod=causal_padding_mask_mod,
+                                          seq_lengths=(t, t), compute_q_blocks=False)
             flat = bm.as_tuple()
             template.extend(TENSOR if isinstance(x, torch.Tensor) else x for x in flat)
             offset = torch.where(dead, fill, 0.0).to(torch.float32)
