@@ -591,6 +591,31 @@ def test_cudnn_left_padding_inference_becomes_flex_with_cudnns_dead_rows(monkeyp
     assert run.output[1, :, :40].abs().max() > 0.1  # the dead rows are not zeros
 
 
+def test_cudnn_left_padding_whose_logsumexp_is_read_keeps_its_mask(monkeypatch):
+    """flex computes the attention result only: a call whose other outputs are read keeps its mask,
+    with the reason (planned before any edit)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from enn_backend.passes.attention import sdpa_calls
+    from enn_backend.passes.attention.kernels.flex_padding import PaddedCausalFlex
+    from enn_backend.passes.manager import module_state
+
+    monkeypatch.setattr(PaddedCausalFlex, "DEVICES", ("cuda", "cpu"))
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+
+    def both(q, k, v, pad):
+        bias = torch.where(_hf_keep(pad).expand(B, 1, FLEX_T, FLEX_T), 0.0, CUDNN_FILL)
+        out, lse = cudnn(q, k, v, bias, True, 0.0, False)[:2]
+        return out, lse
+
+    args = [*(torch.randn(B, 2, FLEX_T, 16) for _ in range(3)), _flex_pad()]
+    gm = make_fx(both, tracing_mode="fake")(*args)
+    (n,) = [n for n in gm.graph.nodes if n.target is cudnn]
+    with module_state(args):
+        ks, why = sdpa_calls._plan(n, sdpa_calls.SDPA_OPS[cudnn], training=False)
+    assert ks is None and "not all that is read" in why, why
+
+
 def test_flex_for_left_padding_only_in_cuda_inference_with_whole_blocks(monkeypatch):
     """Where flex is not used, and why: training (slower than the kernel with its mask at T=1024),
     the CPU (the kernels' dead rows were measured on CUDA), lengths that are not whole blocks, head

@@ -148,6 +148,9 @@ def _plan(n: fx.Node, op: SdpaOp, training: bool) -> tuple[Optional[KeepStructur
         return None, "causal mask with Tq != Tk (SDPA's causal is top-left aligned)"
     if kind == "causal" and ks.key_padding is not None and not op.zero_dead_rows:
         ok, why = PaddedCausalFlex.check(q.meta["val"], k.meta["val"], training)
+        if ok and any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in n.users):
+            ok, why = False, ("flex computes no output of the call but the attention result, which is not all "
+                              "that is read")
         if not ok:
             return None, (f"{ks.describe()}: a query row that keeps no key (left padding) is weighed by its raw "
                           f"scores over every key in this kernel, which a causal flag would change, and {why}")
@@ -155,21 +158,18 @@ def _plan(n: fx.Node, op: SdpaOp, training: bool) -> tuple[Optional[KeepStructur
     return ks, ""
 
 
-def _to_flex(n: fx.Node, op: SdpaOp, ks: KeepStructure, flex: PaddedCausalFlex) -> None:
-    """Replace the forward call ``n`` (an inference graph's: nothing reads its logsumexp) by flex."""
+def _to_flex(n: fx.Node, mask: fx.Node, ks: KeepStructure, flex: PaddedCausalFlex) -> None:
+    """Replace the forward call ``n`` by flex (_plan checked that only its attention result is read)."""
     q, k, v = n.args[0:3]
     scale = n.kwargs.get("scale")
     scale = float(scale) if scale is not None else shape(q)[-1] ** -0.5
     # A dead row weighs every key, its scores offset by the mask's fill as the kernel reads it.
-    fill = float(torch.tensor(_keep_of(op.mask.get(n))[1], dtype=op.mask.get(n).meta["val"].dtype))
+    fill = float(torch.tensor(_keep_of(mask)[1], dtype=mask.meta["val"].dtype))
     out = flex.attend(n, q, k, v, ks.key_padding, fill, scale)
     for u in list(n.users):
-        if u.target is operator.getitem and u.args[1] == 0:
+        if u.args[1] == 0:
             u.replace_all_uses_with(out)
-        if not u.users:
-            n.graph.erase_node(u)
-    if n.users:
-        raise RuntimeError(f"{n.name}: an output other than the attention result is read ({list(n.users)})")
+        n.graph.erase_node(u)
     n.graph.erase_node(n)
 
 
@@ -191,7 +191,7 @@ def replan_sdpa_calls(graph: fx.Graph, mode: Any, ctx: PassContext) -> int:
                               fused=False, sdpa_call=True)
             continue
         if how == "flex":
-            _to_flex(n, op, ks, flex)
+            _to_flex(n, mask, ks, flex)
             ctx.kernel_choice(n, "flex", f"model's SDPA call re-planned from its mask's provenance ({ks.describe()}): "
                               "FlexAttention with a block mask built from the padding vector per call, rows that "
                               f"keep no key as {op.backend.value} weighs them (every key)",
