@@ -7,14 +7,17 @@ device's kernel time and kernel count of one step (torch.profiler, 10 steps). Th
 workloads, whether the model's loss stays finite over ``--train-steps`` steps (eager and enn) and
 what enn's report recorded.
 
-Run:  python bench/gpu_real_gaps.py [--only a,b] [--rounds 7] [--variants ...]   (bench/results/gpu-h100/real_gaps.log)
+Run:  python bench/gpu_real_gaps.py [--only a,b] [--rounds 7] [--variants ...] [--wall-steps N]
+      (bench/results/gpu-h100/real_gaps*.log)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
+import time
 
 import torch
 
@@ -31,6 +34,11 @@ VARIANTS = {
     "enn precision off": dict(backend="enn", options={"precision": False}),
     "enn guard off": dict(backend="enn", options={"guard": "off"}),
     "enn attention off": dict(backend="enn", options={"attention": False}),
+    # Inductor knobs that cut host work per step, tried on both backends:
+    "inductor combo": dict(backend="inductor", options={"combo_kernels": True}),  # horizontal fusion: fewer launches
+    "enn combo": dict(backend="enn", options={"combo_kernels": True}),
+    "inductor no asserts": dict(backend="inductor",  # the generated wrapper's per-call size/stride/alignment checks
+                                options={"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}),
 }
 DEFAULT_VARIANTS = "inductor,enn,enn precision off,enn guard off"
 
@@ -49,11 +57,21 @@ def kernel_time(step, n: int = 10) -> tuple[float, float]:
     return total_us / 1e3 / n, len(events) / n
 
 
-def run_workload(name: str, mode: str, rounds: int, variants: list[str]) -> None:
+def wall_ms(step, n: int) -> float:
+    """Wall-clock ms per step over ``n`` steps, synchronized at both ends (host time included)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / n
+
+
+def run_workload(name: str, mode: str, rounds: int, variants: list[str], wall_steps: int = 0) -> None:
     from triton.testing import do_bench
 
     amp = autocast("cuda", "bf16")
-    steps = {}
+    steps, compile_s = {}, {}
     for variant in variants:
         kwargs = VARIANTS[variant]
         entry = models.build(name, "gpu-real", device="cuda", seed=0)
@@ -62,26 +80,38 @@ def run_workload(name: str, mode: str, rounds: int, variants: list[str]) -> None
         batch = entry.make_inputs(0)
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4) if mode == "train" else None
         steps[variant] = timed_step(fn, opt, batch, entry.loss_fn, mode, amp)
-        for _ in range(25):  # compile, then past enn's guard warm-up
+        t0 = time.perf_counter()
+        steps[variant]()
+        torch.cuda.synchronize()
+        compile_s[variant] = time.perf_counter() - t0
+        for _ in range(25):  # past enn's guard warm-up
             steps[variant]()
     torch.cuda.synchronize()
     times = {v: [] for v in steps}
-    for r in range(rounds):
-        order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
-        for v in order:
-            times[v].append(do_bench(steps[v], warmup=3, rep=60, return_mode="median"))
-    base = statistics.median(times["inductor"])
-    print(f"\n{name} {mode} bf16 (median of {rounds} interleaved rounds; kernel time from torch.profiler)")
-    print(f"  {'variant':<18} {'step ms':>8} {'vs ind.':>8} {'spread':>7} {'kernel ms':>10} {'kernels':>8} {'host-idle ms':>12}")
+    gc.collect()
+    gc.disable()  # a collection pause lands on whichever variant runs then: keep it out of every round
+    try:
+        for r in range(rounds):
+            order = list(steps)[r % len(steps):] + list(steps)[:r % len(steps)]
+            for v in order:
+                times[v].append(wall_ms(steps[v], wall_steps) if wall_steps
+                                else do_bench(steps[v], warmup=3, rep=60, return_mode="median"))
+    finally:
+        gc.enable()
+    how = f"wall clock of {wall_steps} steps" if wall_steps else "do_bench medians"
+    print(f"\n{name} {mode} bf16 (median of {rounds} interleaved rounds, {how}, GC off while timing; "
+          "kernel time from torch.profiler)")
+    print(f"  {'variant':<18} {'step ms':>8} {'vs ind.':>8} {'spread':>7} {'kernel ms':>10} {'kernels':>8} "
+          f"{'host-idle ms':>12} {'1st call s':>10}")
     for v, ts in times.items():
         med = statistics.median(ts)
         ratios = sorted(b / t for b, t in zip(times["inductor"], ts))
         kms, kn = kernel_time(steps[v])
         spread = (max(ts) - min(ts)) / 2 / med
-        print(f"  {v:<18} {med:8.3f} {statistics.median(ratios):8.3f} {spread:6.0%} {kms:10.3f} {kn:8.0f} {med - kms:12.3f}")
+        print(f"  {v:<18} {med:8.3f} {statistics.median(ratios):8.3f} {spread:6.0%} {kms:10.3f} {kn:8.0f} "
+              f"{med - kms:12.3f} {compile_s[v]:10.1f}")
     del steps
     torch.cuda.empty_cache()
-    _ = base
 
 
 def divergence(name: str, n: int) -> None:
@@ -118,6 +148,8 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=80)
     ap.add_argument("--divergence", default="hf_bloom,hf_t5", help="training workloads to check for divergence ('' : none)")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--wall-steps", type=int, default=0,
+                    help="time each sample as the wall clock of this many steps (0: do_bench's median)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
@@ -132,7 +164,7 @@ def main() -> None:
     for w in (a.only.split(",") if a.only else WORKLOADS):
         name, mode = w.split(":")
         torch._dynamo.reset()
-        run_workload(name, mode, a.rounds, a.variants.split(","))
+        run_workload(name, mode, a.rounds, a.variants.split(","), a.wall_steps)
 
 
 if __name__ == "__main__":

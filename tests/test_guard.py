@@ -63,6 +63,41 @@ def test_fault_matrix(kind, phase, model_kind, dtype):
     assert 0 < g["compiled_nodes"] == g["compute_nodes"] - len(g["pinned"])
 
 
+def test_enns_inductor_defaults_yield_to_options_and_to_a_failed_compile(monkeypatch):
+    """enn compiles a graph with its Inductor defaults for the graph's device (combo kernels on
+    CUDA) unless options= sets the key; a graph that does not compile with them is compiled
+    without them, keeping enn's rewrites, and the step down is recorded."""
+    from enn_backend import compat, graph_compiler
+
+    monkeypatch.setitem(graph_compiler.INDUCTOR_DEFAULTS, "cpu", {"combo_kernels": True})
+    real, seen = compat.compile_fx_inner, []
+
+    def compile_fx_inner(gm, inputs, **kwargs):
+        seen.append(compat.inductor_config.combo_kernels)
+        if compat.inductor_config.combo_kernels:
+            raise RuntimeError("combo kernels cannot compile this graph")
+        return real(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(compat, "compile_fx_inner", compile_fx_inner)
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    rep = enn_backend.report().to_dict()
+    assert seen == [True, False, True, False]  # forward, then backward: with the defaults, then without
+    assert [f["kind"] for f in rep["fallbacks"]] == ["compile_error"] * 2, rep["fallbacks"]
+    for fb in rep["fallbacks"]:
+        assert "combo kernels cannot compile" in fb["reason"]
+        assert fb["action"] == "recompiled this graph without enn's Inductor defaults (combo_kernels=True)"
+        assert next(g for g in rep["graphs"] if g["id"] == fb["graph"])["path"] == "inductor"
+
+    torch._dynamo.reset()
+    enn_backend.reset()
+    seen.clear()
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "combo_kernels": False})
+    assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    assert seen == [False, False] and not enn_backend.report().to_dict()["fallbacks"]
+
+
 def test_models_own_nan_keeps_the_compiled_result_and_blames_nothing():
     """Eager makes the same NaN at the same places: nothing fell back, nothing is reported as a
     fallback, the compiled outputs are returned (counted on the graph)."""

@@ -616,6 +616,29 @@ def test_cudnn_left_padding_whose_logsumexp_is_read_keeps_its_mask(monkeypatch):
     assert ks is None and "not all that is read" in why, why
 
 
+def test_the_efficient_kernels_mask_broadcast_over_heads_is_read_as_the_models_mask():
+    """SDPA's memory-efficient path expands the model's ``where(keep, 0, fill)`` over the heads
+    before its kernel; the structure underneath is read all the same: causal plus key padding, on
+    the kernel's flags (its rows that keep no key are zeros either way)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from enn_backend.passes.attention import sdpa_calls
+    from enn_backend.passes.manager import module_state
+
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention.default
+
+    def call(q, k, v, pad):
+        bias = torch.where(_hf_keep(pad).expand(B, 1, FLEX_T, FLEX_T), 0.0, float("-inf"))
+        return efficient(q, k, v, bias.expand(B, 2, FLEX_T, FLEX_T), False, 0.0, False)[0]
+
+    args = [*(torch.randn(B, 2, FLEX_T, 16) for _ in range(3)), _flex_pad()]
+    gm = make_fx(call, tracing_mode="fake")(*args)
+    (n,) = [n for n in gm.graph.nodes if n.target is efficient]
+    with module_state(args):
+        ks, how = sdpa_calls._plan(n, sdpa_calls.SDPA_OPS[efficient], training=True)
+    assert ks is not None and ks.band[0] == "causal" and ks.key_padding is not None and how == "", how
+
+
 def test_flex_for_left_padding_only_in_cuda_inference_with_whole_blocks(monkeypatch):
     """Where flex is not used, and why: training (slower than the kernel with its mask at T=1024),
     the CPU (the kernels' dead rows were measured on CUDA), lengths that are not whole blocks, head

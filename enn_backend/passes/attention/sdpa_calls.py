@@ -108,7 +108,10 @@ _DROPS_KEY = -65504.0
 
 def _keep_of(mask: Any) -> tuple[Optional[fx.Node], float]:
     """The boolean keep-mask of SDPA's additive ``where(keep, 0, fill)`` (what it makes of a bool
-    mask) and its fill; (None, nan) for any other mask."""
+    mask) and its fill; (None, nan) for any other mask. A broadcast of that mask (SDPA's
+    memory-efficient path expands it over the heads before the kernel) is the same mask."""
+    while is_call(mask, aten.expand.default):
+        mask = mask.args[0]
     if not is_call(mask, aten.where.self):
         return None, float("nan")
     cond, a, b = mask.args
