@@ -4,13 +4,14 @@ Every backend first runs untimed steps past enn's guard warm-up (the guard check
 graph's first ``guard_warmup`` calls with a host sync; that one-time cost is not the steady
 state, and ``bench/guard_overhead.py`` measures the guard itself); then the callables are timed
 in rounds, interleaved, the order rotated each round, so that drift (thermal, other
-processes) does not favour one of them. GPU: ``triton.testing.do_bench`` (CUDA events, L2
+processes) does not favour one of them; Python's garbage collector is paused while they run. GPU: ``triton.testing.do_bench`` (CUDA events, L2
 flushed) per round; CPU, or a fixed number of steps per sample: the wall clock of a batch of
 steps.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -100,10 +101,16 @@ class Timer:
                 t = max(self._wall_sample(fns[name], 1), 1e-3) / 1e3
                 reps[name] = max(1, min(200, math.ceil(self.sample_s / t)))
         samples: dict[str, list[float]] = {n: [] for n in names}
-        for r in range(self.rounds):
-            order = names[r % len(names):] + names[: r % len(names)]
-            for name in order:
-                samples[name].append(self._wall_sample(fns[name], reps[name]) if wall else self._cuda_sample(fns[name]))
+        gc.collect()
+        gc.disable()  # a collection pause lands on whichever callable runs then: keep it out of the rounds
+        try:
+            for r in range(self.rounds):
+                order = names[r % len(names):] + names[: r % len(names)]
+                for name in order:
+                    samples[name].append(self._wall_sample(fns[name], reps[name]) if wall
+                                         else self._cuda_sample(fns[name]))
+        finally:
+            gc.enable()
         return samples
 
 
