@@ -45,7 +45,8 @@ GPU_MODELS = ["gpt2_sdpa", "gpt2_naive", "llama", "bert", "alibi", "t5", "slidin
 
 # The real-model presets run third-party models (enn_backend.models.REAL: transformers, timm,
 # torchvision from random configs) in the order of REAL, the most telling first. GPU: 2 layers,
-# T = 1024-4096, bf16; few rounds and no warm-compile pass so that the compiles fit: the budget
+# T = 1024-4096, bf16; no warm-compile pass so that the compiles fit (11 timing rounds cost
+# seconds; host-bound steps need them to settle): the budget
 # stops starting new workloads at 330 s (the slowest, LLaMA at T=4096, runs early), which keeps the
 # run under 7 minutes on one H100; what it cut is listed as skipped (run it with --only).
 # A sibling of the gpu preset: bench/gpu_session.sh runs it as its own stage ("real").
@@ -62,7 +63,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # subset); the budget stops starting new workloads at 380 s and lists what it skipped.
     "gpu": dict(device="cuda", size="gpu-real", models=GPU_MODELS, modes=["train", "infer"], dtypes=["bf16"],
                 backends=["eager", "inductor", "enn"], rounds=15, rep_ms=40.0, budget_s=380.0, warm_compile=False),
-    "real": dict(REAL_PRESET, device="cuda", size="gpu-real", dtypes=["bf16"], rounds=5, rep_ms=25.0, budget_s=330.0),
+    "real": dict(REAL_PRESET, device="cuda", size="gpu-real", dtypes=["bf16"], rounds=11, rep_ms=25.0, budget_s=330.0),
     "real-cpu": dict(REAL_PRESET, device="cpu", size="cpu-small", dtypes=["fp32"], rounds=5, sample_s=0.1, budget_s=None,
                      threads=1),
 }
