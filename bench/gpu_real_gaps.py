@@ -34,9 +34,13 @@ VARIANTS = {
     "enn precision off": dict(backend="enn", options={"precision": False}),
     "enn guard off": dict(backend="enn", options={"guard": "off"}),
     "enn attention off": dict(backend="enn", options={"attention": False}),
-    # Inductor knobs that cut host work per step, tried on both backends:
+    # Inductor knobs that cut host work per step, tried on both backends (enn's default has combo
+    # kernels on: graph_compiler.INDUCTOR_DEFAULTS):
     "inductor combo": dict(backend="inductor", options={"combo_kernels": True}),  # horizontal fusion: fewer launches
     "enn combo": dict(backend="enn", options={"combo_kernels": True}),
+    "enn combo benchmarked": dict(backend="enn", options={"benchmark_combo_kernel": True}),  # kept where faster
+    "enn combo pointwise": dict(backend="enn", options={"combo_kernels_pointwise_only": True}),
+    "enn no combo": dict(backend="enn", options={"combo_kernels": False}),
     "inductor no asserts": dict(backend="inductor",  # the generated wrapper's per-call size/stride/alignment checks
                                 options={"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}),
 }
