@@ -40,6 +40,7 @@ VARIANTS = {
     "enn combo": dict(backend="enn", options={"combo_kernels": True}),
     "enn combo benchmarked": dict(backend="enn", options={"benchmark_combo_kernel": True}),  # kept where faster
     "enn combo pointwise": dict(backend="enn", options={"combo_kernels_pointwise_only": True}),
+    "enn combo own blocks": dict(backend="enn", options={"combo_kernel_per_subkernel_blocks": True}),
     "enn no combo": dict(backend="enn", options={"combo_kernels": False}),
     "inductor no asserts": dict(backend="inductor",  # the generated wrapper's per-call size/stride/alignment checks
                                 options={"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}),
@@ -102,14 +103,15 @@ def run_workload(name: str, mode: str, rounds: int, variants: list[str], wall_st
                                 else do_bench(steps[v], warmup=3, rep=60, return_mode="median"))
     finally:
         gc.enable()
+    base = "inductor" if "inductor" in times else next(iter(times))  # what "vs ind." compares with
     how = f"wall clock of {wall_steps} steps" if wall_steps else "do_bench medians"
     print(f"\n{name} {mode} bf16 (median of {rounds} interleaved rounds, {how}, GC off while timing; "
           "kernel time from torch.profiler)")
-    print(f"  {'variant':<18} {'step ms':>8} {'vs ind.':>8} {'spread':>7} {'kernel ms':>10} {'kernels':>8} "
+    print(f"  {'variant':<18} {'step ms':>8} {'vs ' + base[:4] + '.':>8} {'spread':>7} {'kernel ms':>10} {'kernels':>8} "
           f"{'host-idle ms':>12} {'1st call s':>10}")
     for v, ts in times.items():
         med = statistics.median(ts)
-        ratios = sorted(b / t for b, t in zip(times["inductor"], ts))
+        ratios = sorted(b / t for b, t in zip(times[base], ts))
         kms, kn = kernel_time(steps[v])
         spread = (max(ts) - min(ts)) / 2 / med
         print(f"  {v:<18} {med:8.3f} {statistics.median(ratios):8.3f} {spread:6.0%} {kms:10.3f} {kn:8.0f} "

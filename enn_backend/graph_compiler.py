@@ -36,14 +36,18 @@ from .report import FallbackKind, GraphRecord, report
 
 log = logging.getLogger(__name__)
 
-# Inductor options enn compiles a graph with, by device type, where options= leaves them unset.
-# Each is off in Inductor's defaults and measured faster on (bench/results/gpu-h100/
-# real_gaps_host_*.log, real_gaps_combo_decoders.log): combo_kernels fuses independent kernels
-# horizontally, so a step launches 10-40% fewer kernels, and steps bound by the host's launch
-# work run 4-19% faster (GPU-bound ones 0-1%). On the CPU there are no launches to save.
-# A graph that does not compile with them is compiled without them (recorded), before any of
-# enn's rewrites is given up.
-INDUCTOR_DEFAULTS: dict[str, dict[str, Any]] = {"cuda": {"combo_kernels": True}}
+# Inductor options enn compiles a graph with, by device type, where options= leaves them unset
+# (and the running Inductor has them). Each is off in Inductor's defaults and measured faster on,
+# side by side on an H100 (bench/results/gpu-h100/real_gaps_combo_*.log, real_gaps_host_*.log):
+# combo_kernels fuses independent kernels horizontally, so a step launches 10-40% fewer kernels
+# and steps bound by the host's launch work run 4-19% faster (GPU-bound ones 0-1%); each
+# sub-kernel keeps its own block sizes, without which ResNet-18 inference lost 12% of its kernel
+# time to combined kernels sharing one tile. On the CPU there are no launches to save. A graph
+# that does not compile with them is compiled without them (recorded), before any of enn's
+# rewrites is given up.
+INDUCTOR_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cuda": {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True},
+}
 
 
 class GraphCompiler:
@@ -61,8 +65,9 @@ class GraphCompiler:
         self.tracing_ctx = compat.current_tracing_context()
         self.config_patches = config_patches
         user_keys = dict(opts.inductor)
+        known = compat.inductor_option_types()
         self.inductor_defaults = {k: v for k, v in INDUCTOR_DEFAULTS.get(_device_type(example_inputs), {}).items()
-                                  if k not in user_keys}
+                                  if k not in user_keys and k in known}
         self.fault_specs = fault_specs
         # `state`: replays and repros pass a fresh one, so faults recorded in this process
         # (which pin nodes at compile time) cannot hide the fault being reproduced.
