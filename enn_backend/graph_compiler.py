@@ -292,11 +292,10 @@ class GraphCompiler:
 
 
 def _device_type(example_inputs: list) -> str:
-    """The device type of a graph's tensor inputs ("cuda", "cpu", ...; "cpu" for none)."""
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor):
-            return t.device.type
-    return "cpu"
+    """Where a graph's kernels run: the device type of its tensor inputs that are not on the CPU
+    ("cuda", ...; a CUDA graph may take a CPU scalar), else "cpu"."""
+    types = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
+    return next((t for t in sorted(types) if t != "cpu"), "cpu")
 
 
 def _first_line(exc: BaseException) -> str:
