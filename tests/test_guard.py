@@ -99,6 +99,25 @@ def test_enns_inductor_defaults_yield_to_options_and_to_a_failed_compile(monkeyp
     assert seen == [False, False] and not enn_backend.report().to_dict()["fallbacks"]
 
 
+def test_a_planted_compile_fault_skips_the_rung_without_enns_inductor_defaults(monkeypatch):
+    """A fault planted in the graph fails every rung that holds it: the step down goes straight to
+    the rung without enn's rewrites, blaming the op once per graph."""
+    from enn_backend import graph_compiler
+
+    monkeypatch.setitem(graph_compiler.INDUCTOR_DEFAULTS, "cpu", {"combo_kernels": True})
+    op = FAULT_OP[("mlp", "compile")]
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "fault_inject": f"{op}:raise:compile"})
+    assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    rep = enn_backend.report().to_dict()
+    fallbacks = [f for f in rep["fallbacks"] if f["kind"] != "pinned_from_state"]
+    assert fallbacks and all(f["node"] == op.split(".")[1] for f in fallbacks), fallbacks
+    assert all(f["action"] == "recompiled this graph without enn's rewrites and lowerings" for f in fallbacks)
+    for fb in fallbacks:  # one record per graph holding the op
+        assert next(g for g in rep["graphs"] if g["id"] == fb["graph"])["path"] == "inductor-without-enn"
+    assert len({fb["graph"] for fb in fallbacks}) == len(fallbacks)
+
+
 def test_models_own_nan_keeps_the_compiled_result_and_blames_nothing():
     """Eager makes the same NaN at the same places: nothing fell back, nothing is reported as a
     fallback, the compiled outputs are returned (counted on the graph)."""
