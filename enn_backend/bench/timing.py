@@ -4,9 +4,9 @@ Every backend first runs untimed steps past enn's guard warm-up (the guard check
 graph's first ``guard_warmup`` calls with a host sync; that one-time cost is not the steady
 state, and ``bench/guard_overhead.py`` measures the guard itself); then the callables are timed
 in rounds, interleaved, the order rotated each round, so that drift (thermal, other
-processes) does not favour one of them; Python's garbage collector is paused while they run. GPU: ``triton.testing.do_bench`` (CUDA events, L2
-flushed) per round; CPU, or a fixed number of steps per sample: the wall clock of a batch of
-steps.
+processes) does not favour one of them; Python's garbage collector is paused while they run.
+GPU: ``triton.testing.do_bench`` (CUDA events, L2 flushed) per round; CPU, or a fixed number of
+steps per sample: the wall clock of a batch of steps.
 """
 
 from __future__ import annotations
