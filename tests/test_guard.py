@@ -99,6 +99,37 @@ def test_enns_inductor_defaults_yield_to_options_and_to_a_failed_compile(monkeyp
     assert seen == [False, False] and not enn_backend.report().to_dict()["fallbacks"]
 
 
+def test_enns_inference_defaults_apply_to_inference_graphs_only(monkeypatch):
+    """enn's inference-only Inductor defaults (cpp_wrapper on CUDA) reach a graph compiled for
+    inference, never a training forward or backward, and never a graph under CUDA graphs."""
+    from enn_backend import compat, graph_compiler
+
+    # a cheap, real key stands in for cpp_wrapper on the CPU
+    monkeypatch.setitem(graph_compiler.INDUCTOR_DEFAULTS, "cpu", {})
+    monkeypatch.setitem(graph_compiler.INFERENCE_DEFAULTS, "cpu", {"size_asserts": False})
+    real, seen = compat.compile_fx_inner, []
+
+    def compile_fx_inner(gm, inputs, **kwargs):
+        seen.append(compat.inductor_config.size_asserts)
+        return real(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(compat, "compile_fx_inner", compile_fx_inner)
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    assert seen == [True, True]  # forward, backward: checked as Inductor does
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))
+    assert seen == [True, True, False]
+
+    torch._dynamo.reset()
+    seen.clear()
+    monkeypatch.setattr(compat.inductor_config.triton, "cudagraphs", True)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="enn", options=ISOLATED)(x), model(x))
+    assert seen == [True]
+
+
 def test_a_planted_compile_fault_skips_the_rung_without_enns_inductor_defaults(monkeypatch):
     """A fault planted in the graph fails every rung that holds it: the step down goes straight to
     the rung without enn's rewrites, blaming the op once per graph."""
