@@ -42,6 +42,7 @@ VARIANTS = {
     "enn combo pointwise": dict(backend="enn", options={"combo_kernels_pointwise_only": True}),
     "enn combo own blocks": dict(backend="enn", options={"combo_kernel_per_subkernel_blocks": True}),
     "enn no combo": dict(backend="enn", options={"combo_kernels": False}),
+    "enn shared blocks": dict(backend="enn", options={"combo_kernel_per_subkernel_blocks": False}),
     "inductor no asserts": dict(backend="inductor",  # the generated wrapper's per-call size/stride/alignment checks
                                 options={"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}),
     # a C++ wrapper launches the graph's kernels without a Python frame per launch
