@@ -48,6 +48,7 @@ VARIANTS = {
     # a C++ wrapper launches the graph's kernels without a Python frame per launch
     "inductor cpp wrapper": dict(backend="inductor", options={"cpp_wrapper": True}),
     "enn cpp wrapper": dict(backend="enn", options={"cpp_wrapper": True}),
+    "enn no cpp wrapper": dict(backend="enn", options={"cpp_wrapper": False}),  # enn's default for inference: on
     "enn coordesc": dict(backend="enn", options={"coordinate_descent_tuning": True}),  # tunes block sizes per kernel
     "enn combo untuned": dict(backend="enn", options={"combo_kernels_autotune": 0}),  # compile time of combo kernels
 }

@@ -43,20 +43,41 @@ log = logging.getLogger(__name__)
 # (recorded), before any of enn's rewrites is given up.
 #
 # combo_kernels fuses independent kernels horizontally, so a step launches 10-40% fewer kernels
-# and steps bound by the host's launch work run 4-19% faster (GPU-bound ones 0-1%); each
+# and steps bound by the host's launch work run 4-19% faster (GPU-bound ones 0-1%). Each
 # sub-kernel keeps its own block sizes, without which ResNet-18 inference ran 12% slower (its
-# combined kernels shared one tile: kernel time +15%). On the CPU there are no launches to save.
+# combined kernels shared one tile: kernel time +15%); and only pointwise kernels are combined:
+# a Qwen2 training step whose reductions were combined too ran 12% slower (one combined
+# persistent reduction took 1.3 ms), pointwise only 0.5% faster than Inductor
+# (real_gaps_combo_reductions.log). On the CPU there are no launches to save.
 INDUCTOR_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cuda": {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True},
+    "cuda": {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True, "combo_kernels_pointwise_only": True},
 }
-# On top of those, for inference graphs (no backward) not under CUDA graphs: cpp_wrapper launches
-# the kernels from C++ instead of one Python call per kernel, which took T5 inference from 1.14x
-# to 1.55x Inductor (host idle time 0.68 -> 0.15 ms per step) at no cost to GPU-bound steps. Not
-# for training: torch 2.11 fails to compile backward graphs with it ("CudaKernelParamCache not
-# populated"), and a forward alone saves half as much. CUDA graphs already take the host out.
+# On top of those, for a Dynamo graph AOT Autograd compiles for inference (no gradient to
+# compute) and not under CUDA graphs: cpp_wrapper launches the kernels from C++ instead of one
+# Python call per kernel, which took T5 inference from 1.14x to 1.55x Inductor (host idle time
+# 0.68 -> 0.15 ms per step) at no cost to GPU-bound steps. It is an option of compile_fx itself
+# (backend.py sets it there, see inference_defaults): compile_fx runs the graph once on the real
+# inputs to tune the kernels the C++ wrapper launches. Not for training: torch 2.11 cannot compile
+# a backward graph with it (its inputs are not at hand: "CudaKernelParamCache not populated").
+# CUDA graphs already take the host out.
 INFERENCE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"cpp_wrapper": True},
 }
+
+
+def inference_defaults(example_inputs: list, opts: Options, config_patches: dict) -> dict[str, Any]:
+    """enn's Inductor defaults for compile_fx around a Dynamo graph that AOT Autograd will compile
+    for inference, less what options= sets and what the running Inductor lacks."""
+    grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+    cudagraphs = config_patches.get("triton.cudagraphs", compat.inductor_config.triton.cudagraphs)
+    if grads or cudagraphs:
+        return {}
+    return _unset(INFERENCE_DEFAULTS.get(_device_type(example_inputs), {}), opts)
+
+
+def _unset(defaults: dict[str, Any], opts: Options) -> dict[str, Any]:
+    user_keys, known = dict(opts.inductor), compat.inductor_option_types()
+    return {k: v for k, v in defaults.items() if k not in user_keys and k in known}
 
 
 class GraphCompiler:
@@ -193,13 +214,10 @@ class GraphCompiler:
 
     # ---------------------------------------------------------------- building
     def _inductor_defaults(self, device: str) -> dict[str, Any]:
-        """enn's Inductor defaults for this graph: by device, and for inference by phase, less
-        what options= sets and what the running Inductor lacks."""
-        defaults = dict(INDUCTOR_DEFAULTS.get(device, {}))
-        if self.phase == "inference" and not self.cudagraphs:
-            defaults.update(INFERENCE_DEFAULTS.get(device, {}))
-        user_keys, known = dict(self.opts.inductor), compat.inductor_option_types()
-        return {k: v for k, v in defaults.items() if k not in user_keys and k in known}
+        """enn's Inductor defaults for this graph: those by device, and the inference defaults the
+        backend set around compile_fx, less what options= sets and what the running Inductor lacks."""
+        around = {k: v for k, v in INFERENCE_DEFAULTS.get(device, {}).items() if self.config_patches.get(k) == v}
+        return _unset({**INDUCTOR_DEFAULTS.get(device, {}), **around}, self.opts)
 
     @property
     def cudagraphs(self) -> bool:
@@ -272,9 +290,14 @@ class GraphCompiler:
     def _compile(self, gm: fx.GraphModule, *, enn: bool, defaults: bool = True) -> Any:
         """Inductor's compile of ``gm``: with enn's rewrites and lowerings (``enn``), and with
         enn's Inductor defaults for the device (``enn and defaults``); options= wins over both."""
-        patches, kwargs = dict(self.config_patches), self.kwargs
+        patches, kwargs = dict(self.config_patches), dict(self.kwargs)
         if enn and defaults:
             patches = {**self.inductor_defaults, **patches}
+        if self.inductor_defaults.get("cpp_wrapper") and not (enn and defaults and compat.real_inputs_at_hand()):
+            # compile_fx hands its cpp_wrapper to the graph as an argument: a rung without enn's
+            # defaults goes without, and so does a recompile after compile_fx returned (the guard's),
+            # which has no real inputs to tune the C++ wrapper's kernels on
+            patches["cpp_wrapper"] = kwargs["cpp_wrapper"] = False
         if not enn:  # None, not absent: compile_fx's own patch around a first compile still holds enn's passes
             patches.update(post_grad_custom_post_pass=None, post_grad_custom_pre_pass=None)
         if self.cudagraphs and not self.cudagraphs_ok:

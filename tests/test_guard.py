@@ -99,35 +99,55 @@ def test_enns_inductor_defaults_yield_to_options_and_to_a_failed_compile(monkeyp
     assert seen == [False, False] and not enn_backend.report().to_dict()["fallbacks"]
 
 
-def test_enns_inference_defaults_apply_to_inference_graphs_only(monkeypatch):
-    """enn's inference-only Inductor defaults (cpp_wrapper on CUDA) reach a graph compiled for
-    inference, never a training forward or backward, and never a graph under CUDA graphs."""
+def test_enns_inference_defaults_compile_inference_graphs_with_cpp_wrapper(monkeypatch):
+    """enn's inference defaults (cpp_wrapper on CUDA; here on the CPU) reach compile_fx for a graph
+    compiled for inference -- never for training, nor under CUDA graphs. A rung without enn's
+    defaults, and the guard's recompile after a fault (no real inputs to tune on), go without."""
     from enn_backend import compat, graph_compiler
 
-    # a cheap, real key stands in for cpp_wrapper on the CPU
     monkeypatch.setitem(graph_compiler.INDUCTOR_DEFAULTS, "cpu", {})
-    monkeypatch.setitem(graph_compiler.INFERENCE_DEFAULTS, "cpu", {"size_asserts": False})
-    real, seen = compat.compile_fx_inner, []
+    monkeypatch.setitem(graph_compiler.INFERENCE_DEFAULTS, "cpu", {"cpp_wrapper": True})
+    real, seen, fail = compat.compile_fx_inner, [], []
 
     def compile_fx_inner(gm, inputs, **kwargs):
-        seen.append(compat.inductor_config.size_asserts)
+        seen.append(kwargs.get("cpp_wrapper", False))
+        if fail and seen[-1]:
+            raise RuntimeError("no C++ wrapper for this graph")
         return real(gm, inputs, **kwargs)
 
-    monkeypatch.setattr(compat, "compile_fx_inner", compile_fx_inner)
-    model, x = make("mlp")
-    compiled = torch.compile(model, backend="enn", options=ISOLATED)
-    assert_close_step(train_step(model, x, compiled), train_step(model, x))
-    assert seen == [True, True]  # forward, backward: checked as Inductor does
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), model(x))
-    assert seen == [True, True, False]
+    def compile_and_run(options, grad=False):
+        torch._dynamo.reset()
+        enn_backend.reset()
+        seen.clear()
+        compiled = torch.compile(model, backend="enn", options={**ISOLATED, **options})
+        if grad:
+            assert_close_step(train_step(model, x, compiled), train_step(model, x))
+        else:
+            with torch.no_grad():
+                for _ in range(2):
+                    torch.testing.assert_close(compiled(x), model(x))
+        return enn_backend.report().to_dict()
 
-    torch._dynamo.reset()
-    seen.clear()
-    monkeypatch.setattr(compat.inductor_config.triton, "cudagraphs", True)
-    with torch.no_grad():
-        torch.testing.assert_close(torch.compile(model, backend="enn", options=ISOLATED)(x), model(x))
-    assert seen == [True]
+    monkeypatch.setattr(compat, "compile_fx_inner", compile_fx_inner)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)  # every run compiles
+    model, x = make("mlp")
+    rep = compile_and_run({})
+    assert seen == [True] and not rep["fallbacks"] and rep["graphs"][0]["path"] == "inductor"
+    compile_and_run({}, grad=True)
+    assert seen == [False, False]  # forward, backward
+    compile_and_run({"mode": "reduce-overhead"})
+    assert seen == [False]
+
+    fail.append(True)
+    rep = compile_and_run({})
+    assert seen == [True, False]
+    assert [f["action"] for f in rep["fallbacks"]] == [
+        "recompiled this graph without enn's Inductor defaults (cpp_wrapper=True)"]
+    fail.clear()
+
+    rep = compile_and_run({"fault_inject": f"{FAULT_OP[('mlp', 'fwd')]}:nan:fwd"})
+    assert seen[0] is True and len(seen) > 1 and not any(seen[1:]), seen  # then the guard's recompiles
+    assert [f["kind"] for f in rep["fallbacks"] if f["kind"] != "pinned_from_state"] == ["nonfinite"]
 
 
 def test_a_planted_compile_fault_skips_the_rung_without_enns_inductor_defaults(monkeypatch):

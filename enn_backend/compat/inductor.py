@@ -54,6 +54,16 @@ def inductor_config_patches(mode: str, options: Any) -> dict[str, Any]:
     return {**mode_config_patches(mode), **dict(options)}
 
 
+def real_inputs_at_hand() -> bool:
+    """Whether compile_fx holds the real inputs of the graph being compiled (``V.real_inputs``):
+    with ``cpp_wrapper`` Inductor runs the graph once on them to tune the kernels its C++ wrapper
+    launches, and on random ones otherwise (which may index out of bounds). They are at hand
+    while compile_fx compiles a forward or inference graph, not in a later (re)compile."""
+    from torch._inductor.virtualized import NullHandler, V
+
+    return not isinstance(V.real_inputs, NullHandler)
+
+
 def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
     """Inductor's own compile_fx (the exact path of ``backend="inductor"``)."""
     return compile_fx(gm, example_inputs, **kwargs)
