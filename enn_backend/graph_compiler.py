@@ -15,6 +15,7 @@ Every step down is recorded.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import shlex
@@ -72,7 +73,18 @@ def inference_defaults(example_inputs: list, opts: Options, config_patches: dict
     cudagraphs = config_patches.get("triton.cudagraphs", compat.inductor_config.triton.cudagraphs)
     if grads or cudagraphs:
         return {}
-    return _unset(INFERENCE_DEFAULTS.get(_device_type(example_inputs), {}), opts)
+    defaults = _unset(INFERENCE_DEFAULTS.get(_device_type(example_inputs), {}), opts)
+    if defaults.get("cpp_wrapper"):
+        _announce_cpp_wrapper()
+    return defaults
+
+
+@functools.cache
+def _announce_cpp_wrapper() -> None:
+    # once per process: the first compile with a C++ wrapper into a fresh Inductor cache is slow
+    log.info("enn: inference graphs compile with Inductor's C++ wrapper (fewer host cycles per call; "
+             "options={'cpp_wrapper': False} turns it off). The first such compile into a fresh Inductor "
+             "cache also builds its precompiled headers: up to a minute, once.")
 
 
 def _unset(defaults: dict[str, Any], opts: Options) -> dict[str, Any]:
