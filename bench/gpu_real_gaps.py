@@ -24,6 +24,7 @@ import torch
 
 import enn_backend  # noqa: F401  (registers backend="enn")
 from enn_backend import models
+from enn_backend.backend import enn
 from enn_backend.bench.steps import autocast, timed_step
 from enn_backend.report import report, reset
 
@@ -49,30 +50,32 @@ VARIANTS = {
     # a C++ wrapper launches the graph's kernels without a Python frame per launch
     "inductor cpp wrapper": dict(backend="inductor", options={"cpp_wrapper": True}),
     "enn cpp wrapper": dict(backend="enn", options={"cpp_wrapper": True}),
-    "enn no cpp wrapper": dict(backend="enn", options={"cpp_wrapper": False}),  # enn's default for inference: on
+    "enn no cpp wrapper": dict(backend="enn", options={"cpp_wrapper": False}),  # enn's default: on (not for backward)
     "enn coordesc": dict(backend="enn", options={"coordinate_descent_tuning": True}),  # tunes block sizes per kernel
-    # enn's inference defaults (the C++ wrapper) for training graphs as well: the forward gets a C++
-    # wrapper; the backward, compiled without the real inputs, keeps Inductor's Python wrapper
-    "enn cpp wrapper forward": dict(backend="enn", compile_under=lambda: _inference_defaults_for_training()),
+    # the C++ wrapper for inference graphs only, not for training forwards (a backend callable of
+    # its own: with backend="enn" Dynamo would reuse the plain enn variant's compiled code)
+    "enn cpp wrapper inference only": dict(backend=lambda gm, example_inputs: enn(gm, example_inputs),
+                                           compile_under=lambda: _cpp_wrapper_for_inference_only()),
     "enn combo untuned": dict(backend="enn", options={"combo_kernels_autotune": 0}),  # compile time of combo kernels
 }
 DEFAULT_VARIANTS = "inductor,enn,enn precision off,enn guard off"
 
 
 @contextlib.contextmanager
-def _inference_defaults_for_training():
+def _cpp_wrapper_for_inference_only():
     from enn_backend import backend, graph_compiler
 
     def defaults(example_inputs, opts, config_patches):
-        with torch.no_grad():
-            return graph_compiler.inference_defaults(example_inputs, opts, config_patches)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs):
+            return {}
+        return graph_compiler.compile_fx_defaults(example_inputs, opts, config_patches)
 
-    real = backend.inference_defaults
-    backend.inference_defaults = defaults
+    real = backend.compile_fx_defaults
+    backend.compile_fx_defaults = defaults
     try:
         yield
     finally:
-        backend.inference_defaults = real
+        backend.compile_fx_defaults = real
 
 
 def kernel_time(step, n: int = 10) -> tuple[float, float]:

@@ -29,7 +29,7 @@ from . import compat
 from .aot_cache import WarmStart, content_digest, offer
 from .debug.log import log_compiled_graph
 from .decompositions import decomposition_table
-from .graph_compiler import GraphCompiler, inference_defaults
+from .graph_compiler import GraphCompiler, compile_fx_defaults
 from .guard import ranks
 from .guard.calls import flat_args
 from .guard.faults import parse_fault_spec
@@ -111,7 +111,7 @@ def _fresh(gm: fx.GraphModule) -> fx.GraphModule:
 def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str,
                       pristine: fx.GraphModule) -> Callable[..., Any]:
     patches: dict[str, Any] = compat.inductor_config_patches(opts.mode, opts.inductor)
-    patches.update(inference_defaults(example_inputs, opts, patches))  # options compile_fx itself reads
+    patches.update(compile_fx_defaults(example_inputs, opts, patches))  # options compile_fx itself reads
     # joint_pre runs before Inductor's joint-graph passes (its fuse_attention would take
     # attention patterns first, with other masked-row semantics); joint runs after them.
     patches["joint_custom_pre_pass"] = PassManager(opts, unit, "joint_pre")

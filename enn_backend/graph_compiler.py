@@ -53,27 +53,26 @@ log = logging.getLogger(__name__)
 INDUCTOR_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True, "combo_kernels_pointwise_only": True},
 }
-# On top of those, for a Dynamo graph AOT Autograd compiles for inference (no gradient to
-# compute) and not under CUDA graphs: cpp_wrapper launches the kernels from C++ instead of one
-# Python call per kernel, which took T5 inference from 1.14x to 1.55x Inductor (host idle time
-# 0.68 -> 0.15 ms per step) at no cost to GPU-bound steps. It is an option of compile_fx itself
-# (backend.py sets it there, see inference_defaults): compile_fx runs the graph once on the real
-# inputs to tune the kernels the C++ wrapper launches. Not for training: torch 2.11 cannot compile
-# a backward graph with it (its inputs are not at hand: "CudaKernelParamCache not populated").
-# CUDA graphs already take the host out.
-INFERENCE_DEFAULTS: dict[str, dict[str, Any]] = {
+# On top of those, options of compile_fx itself (backend.py sets them there: compile_fx_defaults),
+# for every graph not under CUDA graphs (which already take the host out). cpp_wrapper launches
+# the kernels from C++ instead of one Python call per kernel: T5 inference went from 1.08x to
+# 1.82x Inductor (host idle time 2.2 -> 0.8 ms per step), and the host-bound training steps
+# 0.92-1.08x -> 1.08-1.14x, at no cost to GPU-bound steps (real_gaps_cpp_wrapper_infer.log,
+# real_gaps_cpp_forward_train.log). compile_fx runs the graph once on the real inputs to tune the
+# kernels the C++ wrapper launches, so only a graph compiled while they are at hand gets it: an
+# inference graph or a training forward. A backward keeps the Python wrapper: torch 2.11 cannot
+# compile one with it ("CudaKernelParamCache not populated", real_gaps_cpp_wrapper.log).
+COMPILE_FX_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"cpp_wrapper": True},
 }
 
 
-def inference_defaults(example_inputs: list, opts: Options, config_patches: dict) -> dict[str, Any]:
-    """enn's Inductor defaults for compile_fx around a Dynamo graph that AOT Autograd will compile
-    for inference, less what options= sets and what the running Inductor lacks."""
-    grads = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
-    cudagraphs = config_patches.get("triton.cudagraphs", compat.inductor_config.triton.cudagraphs)
-    if grads or cudagraphs:
+def compile_fx_defaults(example_inputs: list, opts: Options, config_patches: dict) -> dict[str, Any]:
+    """enn's defaults among compile_fx's own options for a Dynamo graph on the device of
+    ``example_inputs``, less what options= sets and what the running Inductor lacks."""
+    if config_patches.get("triton.cudagraphs", compat.inductor_config.triton.cudagraphs):
         return {}
-    defaults = _unset(INFERENCE_DEFAULTS.get(_device_type(example_inputs), {}), opts)
+    defaults = _unset(COMPILE_FX_DEFAULTS.get(_device_type(example_inputs), {}), opts)
     if defaults.get("cpp_wrapper"):
         _announce_cpp_wrapper()
     return defaults
@@ -82,9 +81,9 @@ def inference_defaults(example_inputs: list, opts: Options, config_patches: dict
 @functools.cache
 def _announce_cpp_wrapper() -> None:
     # once per process: the first compile with a C++ wrapper into a fresh Inductor cache is slow
-    log.info("enn: inference graphs compile with Inductor's C++ wrapper (fewer host cycles per call; "
-             "options={'cpp_wrapper': False} turns it off). The first such compile into a fresh Inductor "
-             "cache also builds its precompiled headers: up to a minute, once.")
+    log.info("enn: inference graphs and training forwards compile with Inductor's C++ wrapper (fewer host "
+             "cycles per call; options={'cpp_wrapper': False} turns it off). The first such compile into a "
+             "fresh Inductor cache also builds its precompiled headers: up to a minute, once.")
 
 
 def _unset(defaults: dict[str, Any], opts: Options) -> dict[str, Any]:
@@ -226,9 +225,9 @@ class GraphCompiler:
 
     # ---------------------------------------------------------------- building
     def _inductor_defaults(self, device: str) -> dict[str, Any]:
-        """enn's Inductor defaults for this graph: those by device, and the inference defaults the
+        """enn's Inductor defaults for this graph: those by device, and the compile_fx defaults the
         backend set around compile_fx, less what options= sets and what the running Inductor lacks."""
-        around = {k: v for k, v in INFERENCE_DEFAULTS.get(device, {}).items() if self.config_patches.get(k) == v}
+        around = {k: v for k, v in COMPILE_FX_DEFAULTS.get(device, {}).items() if self.config_patches.get(k) == v}
         return _unset({**INDUCTOR_DEFAULTS.get(device, {}), **around}, self.opts)
 
     @property
@@ -236,6 +235,14 @@ class GraphCompiler:
         """Whether Inductor wraps this graph's artifacts in CUDA graphs (``mode="reduce-overhead"``)."""
         box = self.kwargs.get("cudagraphs")
         return bool(box) if box is not None else bool(compat.inductor_config.triton.cudagraphs)
+
+    @property
+    def cpp_wrapper_ok(self) -> bool:
+        """Whether enn's cpp_wrapper default may hold for a compile of this graph now: not for a
+        backward (torch 2.11 cannot compile one with it), nor for a compile after compile_fx
+        returned (the backward's, on its first call; the guard's recompiles), which has no real
+        inputs to tune the C++ wrapper's kernels on."""
+        return not self.kwargs.get("is_backward") and compat.real_inputs_at_hand()
 
     def build(self, extra_pins: frozenset[str] = frozenset(), fp32: bool | None = None, quiet: bool = False) -> Callable[[list], Any]:
         """Compile the graph with the current pins (+ ``extra_pins``), down the ladder.
@@ -305,10 +312,9 @@ class GraphCompiler:
         patches, kwargs = dict(self.config_patches), dict(self.kwargs)
         if enn and defaults:
             patches = {**self.inductor_defaults, **patches}
-        if self.inductor_defaults.get("cpp_wrapper") and not (enn and defaults and compat.real_inputs_at_hand()):
+        if self.inductor_defaults.get("cpp_wrapper") and not (enn and defaults and self.cpp_wrapper_ok):
             # compile_fx hands its cpp_wrapper to the graph as an argument: a rung without enn's
-            # defaults goes without, and so does a recompile after compile_fx returned (the guard's),
-            # which has no real inputs to tune the C++ wrapper's kernels on
+            # defaults goes without, and so does any graph cpp_wrapper_ok turns away
             patches["cpp_wrapper"] = kwargs["cpp_wrapper"] = False
         if not enn:  # None, not absent: compile_fx's own patch around a first compile still holds enn's passes
             patches.update(post_grad_custom_post_pass=None, post_grad_custom_pre_pass=None)

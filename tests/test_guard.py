@@ -99,14 +99,14 @@ def test_enns_inductor_defaults_yield_to_options_and_to_a_failed_compile(monkeyp
     assert seen == [False, False] and not enn_backend.report().to_dict()["fallbacks"]
 
 
-def test_enns_inference_defaults_compile_inference_graphs_with_cpp_wrapper(monkeypatch):
-    """enn's inference defaults (cpp_wrapper on CUDA; here on the CPU) reach compile_fx for a graph
-    compiled for inference -- never for training, nor under CUDA graphs. A rung without enn's
+def test_enns_compile_fx_defaults_give_forward_graphs_a_cpp_wrapper(monkeypatch):
+    """enn's compile_fx defaults (cpp_wrapper on CUDA; here on the CPU) reach an inference graph and
+    a training forward -- never a backward, nor a graph under CUDA graphs. A rung without enn's
     defaults, and the guard's recompile after a fault (no real inputs to tune on), go without."""
     from enn_backend import compat, graph_compiler
 
     monkeypatch.setitem(graph_compiler.INDUCTOR_DEFAULTS, "cpu", {})
-    monkeypatch.setitem(graph_compiler.INFERENCE_DEFAULTS, "cpu", {"cpp_wrapper": True})
+    monkeypatch.setitem(graph_compiler.COMPILE_FX_DEFAULTS, "cpu", {"cpp_wrapper": True})
     real, seen, fail = compat.compile_fx_inner, [], []
 
     def compile_fx_inner(gm, inputs, **kwargs):
@@ -134,7 +134,11 @@ def test_enns_inference_defaults_compile_inference_graphs_with_cpp_wrapper(monke
     rep = compile_and_run({})
     assert seen == [True] and not rep["fallbacks"] and rep["graphs"][0]["path"] == "inductor"
     compile_and_run({}, grad=True)
-    assert seen == [False, False]  # forward, backward
+    assert seen == [True, False]  # forward, backward (compiled on its first call: real inputs gone)
+    with monkeypatch.context() as m:  # a backward compiled while compile_fx still holds the real inputs
+        m.setattr(compat, "real_inputs_at_hand", lambda: True)
+        compile_and_run({}, grad=True)
+    assert seen == [True, False]
     compile_and_run({"mode": "reduce-overhead"})
     assert seen == [False]
 
