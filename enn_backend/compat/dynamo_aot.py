@@ -57,7 +57,7 @@ def saved_tensors_kept() -> Iterator[None]:
     received, so under a guard they must still hold what they held. Without donation the
     saved tensors are still freed as soon as they are dead (AOT clears the autograd context's
     references before the call), so the cost is buffer reuse only, not a longer lifetime.
-    Covered by tests/test_guard.py::test_backward_rerun_reads_the_inputs_it_was_given.
+    Covered by tests/test_guard_reference.py::test_backward_rerun_reads_the_inputs_it_was_given.
     """
     with functorch_config.patch(donated_buffer=False):
         yield
