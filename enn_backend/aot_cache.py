@@ -257,6 +257,7 @@ class WarmStart:
         def capture(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
             compiler = GraphCompiler(gm, example_inputs, kwargs, opts=self.opts, unit=self.unit,
                                      config_patches=self.config_patches, fault_specs=())
+            compiler.first_build = False  # its first build came from the cache: any other is a recompile
             traced[compiler.phase] = compiler
             return compiler.eager_callable()  # never called: only the graphs are wanted
 

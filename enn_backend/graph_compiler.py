@@ -29,6 +29,7 @@ from . import blame, compat
 from .custom_ops.pinned import EMITTED
 from .debug.repro import write_repro
 from .guard import graph_edit as E
+from .guard.calls import distributed
 from .guard.kernel_entry import graph_key, node_key
 from .guard.kernel_state import KernelState, announce_pins, state_command, state_for
 from .lowerings import enn_lowerings
@@ -56,12 +57,17 @@ INDUCTOR_DEFAULTS: dict[str, dict[str, Any]] = {
 # On top of those, options of compile_fx itself (backend.py sets them there: compile_fx_defaults),
 # for every graph not under CUDA graphs (which already take the host out). cpp_wrapper launches
 # the kernels from C++ instead of one Python call per kernel: T5 inference went from 1.08x to
-# 1.82x Inductor (host idle time 2.2 -> 0.8 ms per step), and the host-bound training steps
-# 0.92-1.08x -> 1.08-1.14x, at no cost to GPU-bound steps (real_gaps_cpp_wrapper_infer.log,
-# real_gaps_cpp_forward_train.log). compile_fx runs the graph once on the real inputs to tune the
-# kernels the C++ wrapper launches, so only a graph compiled while they are at hand gets it: an
-# inference graph or a training forward. A backward keeps the Python wrapper: torch 2.11 cannot
-# compile one with it ("CudaKernelParamCache not populated", real_gaps_cpp_wrapper.log).
+# 1.82x Inductor (host idle time 2.2 -> 0.8 ms per step), at no cost to GPU-bound steps
+# (real_gaps_cpp_wrapper_infer.log); with it on the backward too, the host-bound training steps
+# (ViT, ResNet-18, T5) went from 1.11-1.20x to 1.35-1.44x Inductor (host idle 1.5-4.1 -> 0.4-1.3
+# ms per step, real_gaps_backward_cpp.log). Every graph's first build gets it, the guard's
+# recompiles do not (GraphCompiler.cpp_wrapper_ok). torch 2.11 tunes the C++ wrapper's kernels on
+# the graph's real inputs, which AOT Autograd's compile of a backward lacks: there the backward
+# is built on its first call (GraphCompiler.waits_for_first_call), which keeps the unit out of AOT
+# Autograd's cache (a warm start: ViT training 0.7 -> 1.9-2.4 s, warm_start_backward_cpp.log). The cost
+# everywhere: a cold compile into an empty Inductor cache compiles each wrapper as C++ (ViT
+# training's first step 13 s under Inductor, 61 s under enn with the C++ wrapper on the forward
+# only, 73-76 s with it on both, precompiled headers included: without them 86 s, warm_start_pch.log).
 COMPILE_FX_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"cpp_wrapper": True},
 }
@@ -81,9 +87,9 @@ def compile_fx_defaults(example_inputs: list, opts: Options, config_patches: dic
 @functools.cache
 def _announce_cpp_wrapper() -> None:
     # once per process: the first compile with a C++ wrapper into a fresh Inductor cache is slow
-    log.info("enn: inference graphs and training forwards compile with Inductor's C++ wrapper (fewer host "
-             "cycles per call; options={'cpp_wrapper': False} turns it off). The first such compile into a "
-             "fresh Inductor cache also builds its precompiled headers: up to a minute, once.")
+    log.info("enn: CUDA graphs compile with Inductor's C++ wrapper (fewer host cycles per call; "
+             "options={'cpp_wrapper': False} turns it off). A compile into an empty Inductor cache compiles "
+             "each wrapper as C++, and the first also builds its precompiled headers: up to a minute more.")
 
 
 def _unset(defaults: dict[str, Any], opts: Options) -> dict[str, Any]:
@@ -120,6 +126,7 @@ class GraphCompiler:
         # guarded graphs without donation (compat.saved_tensors_kept); any that are donated
         # regardless are copied on checked calls like mutated inputs, so a re-run reads them intact.
         donated = compat.donated_inputs() if self.phase == "backward" else []
+        self.donated = donated
         self.written = sorted(set(self.mutated) | set(donated))
         self.random = E.has_random_ops(self.eager_gm)
         # a training forward's outputs past its results are saved for the backward: their
@@ -137,6 +144,7 @@ class GraphCompiler:
         self._safe_gm: fx.GraphModule | None = None
         self._eager_runs: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self._pinned_in: dict[int, int] = {}  # id(artifact) -> enn::pinned nodes in it
+        self.first_build = True  # False once built (or loaded from a cache): later builds are recompiles
 
     # ---------------------------------------------------------------- helpers
     def full(self) -> "GraphCompiler":
@@ -238,14 +246,34 @@ class GraphCompiler:
 
     @property
     def cpp_wrapper_ok(self) -> bool:
-        """Whether enn's cpp_wrapper default may hold for a compile of this graph now: not for a
-        backward (torch 2.11 cannot compile one with it), nor for a compile after compile_fx
-        returned (the backward's, on its first call; the guard's recompiles), which has no real
-        inputs to tune the C++ wrapper's kernels on."""
-        return not self.kwargs.get("is_backward") and compat.real_inputs_at_hand()
+        """Whether enn's cpp_wrapper default may hold for a compile of this graph now: in its
+        first build, not in the guard's recompiles after a fault (localization trials are thrown
+        away, and a C++ wrapper adds a C++ compile to each). On a torch that tunes the C++
+        wrapper's kernels on the graph's real inputs (compat.cpp_wrapper_tunes_on_real_inputs),
+        only with them at hand: compile_fx holds a forward's, and a backward's come with its
+        first call (:attr:`waits_for_first_call`)."""
+        return self.first_build and (not compat.cpp_wrapper_tunes_on_real_inputs() or compat.real_inputs_at_hand())
+
+    @property
+    def waits_for_first_call(self) -> bool:
+        """Whether the first build of this graph waits for its first call (:class:`CompileOnFirstCall`):
+        a backward where enn's cpp_wrapper default holds, on a torch that tunes the C++ wrapper's
+        kernels on the real inputs, which AOT Autograd's compile of a backward does not have. Its
+        first call, in the same first backward pass, brings them. Inductor's tuning run on them
+        must leave them as they are, so not where AOT Autograd donated some (guard="off"); nor
+        where the tracing context lifts parameters (compat.real_inputs); nor under
+        torch.distributed, where the ranks agree on a graph's build as it compiles (guard.ranks).
+
+        The cost: AOT Autograd saves a unit to its cache as soon as its backward is compiled, and
+        a build that waits has no FX graph cache key yet, so such a unit is not cached there (a
+        warm start traces it again; Inductor's FX graph cache still holds both its graphs)."""
+        return (self.first_build and self.phase == "backward" and bool(self.inductor_defaults.get("cpp_wrapper"))
+                and compat.cpp_wrapper_tunes_on_real_inputs() and not compat.real_inputs_at_hand()
+                and not compat.lifts_params(self.tracing_ctx) and not self.donated and not distributed())
 
     def build(self, extra_pins: frozenset[str] = frozenset(), fp32: bool | None = None, quiet: bool = False) -> Callable[[list], Any]:
-        """Compile the graph with the current pins (+ ``extra_pins``), down the ladder.
+        """Compile the graph with the current pins (+ ``extra_pins``), down the ladder; a first
+        build that :attr:`waits_for_first_call` compiles on its first call.
 
         ``quiet``: a localization trial, not recorded.
 
@@ -255,6 +283,8 @@ class GraphCompiler:
         outside of (their replays would recycle outputs autograd still holds), and an artifact
         swapped in mid-step would not find its inputs in the tree's pool. A kernel computes the
         same values with or without the graph around it."""
+        if self.waits_for_first_call:
+            return CompileOnFirstCall(lambda: self.build(extra_pins, fp32, quiet), self.tracing_ctx)
         fp32 = self.fp32 if fp32 is None else fp32
         pins = self.pinned_now(extra_pins)
         base = self.fp32_gm() if fp32 else self.eager_gm
@@ -264,6 +294,7 @@ class GraphCompiler:
             self.fault_specs.graph_built(self, planted, pins)
         t0 = time.perf_counter()
         compiled, path = self._compile_down(gm, lambda: E.pin_nodes(base, pins), planted)
+        self.first_build = False
         # what the artifact really holds: nodes routed through enn::pinned (checked by tests)
         self._pinned_in[id(compiled)] = 0 if path == "eager" else sum(
             1 for n in gm.graph.nodes if n.target is torch.ops.enn.pinned.default)
@@ -312,10 +343,12 @@ class GraphCompiler:
         patches, kwargs = dict(self.config_patches), dict(self.kwargs)
         if enn and defaults:
             patches = {**self.inductor_defaults, **patches}
-        if self.inductor_defaults.get("cpp_wrapper") and not (enn and defaults and self.cpp_wrapper_ok):
-            # compile_fx hands its cpp_wrapper to the graph as an argument: a rung without enn's
-            # defaults goes without, and so does any graph cpp_wrapper_ok turns away
-            patches["cpp_wrapper"] = kwargs["cpp_wrapper"] = False
+        cpp_wrapper = False
+        if self.inductor_defaults.get("cpp_wrapper"):
+            # compile_fx hands its cpp_wrapper to the graph as an argument (a backward's: none): a
+            # rung without enn's defaults goes without, and so does any graph cpp_wrapper_ok turns away
+            cpp_wrapper = enn and defaults and self.cpp_wrapper_ok
+            patches["cpp_wrapper"] = kwargs["cpp_wrapper"] = cpp_wrapper
         if not enn:  # None, not absent: compile_fx's own patch around a first compile still holds enn's passes
             patches.update(post_grad_custom_post_pass=None, post_grad_custom_pre_pass=None)
         if self.cudagraphs and not self.cudagraphs_ok:
@@ -323,7 +356,7 @@ class GraphCompiler:
             patches["triton.cudagraphs"] = False
         # compile_lock: the guard recompiles at run time, possibly while another thread compiles
         with compat.compile_lock(), compat.tracing_context(self.tracing_ctx), compat.inductor_config.patch(patches), \
-                enn_lowerings(enabled=enn):
+                compat.cpp_wrapper_config(cpp_wrapper), enn_lowerings(enabled=enn):
             return compat.compile_fx_inner(gm, self.example_inputs, **kwargs)
 
     def adopt(self, compiled: Any, pins: frozenset[str] = frozenset(), fp32: bool = False) -> None:
@@ -349,6 +382,25 @@ class GraphCompiler:
                 log.warning("enn: wrote repro script %s", path)
         except Exception as exc:  # noqa: BLE001 - a failed repro must not break the run
             log.warning("enn: could not write a repro script: %s: %s", type(exc).__name__, exc)
+
+
+class CompileOnFirstCall:
+    """A graph's build put off to its first call, whose inputs are then the real inputs Inductor
+    tunes the C++ wrapper's kernels on (:func:`compat.real_inputs`); every call after it goes
+    straight to the artifact. Called as a compiled graph is: one boxed list of inputs."""
+
+    def __init__(self, build: Callable[[], Callable[[list], Any]], tracing_ctx: Any) -> None:
+        self._build, self._tracing_ctx = build, tracing_ctx
+        self.compiled: Callable[[list], Any] | None = None
+        self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
+
+    def __call__(self, args: list) -> Any:
+        if self.compiled is None:
+            with compat.compile_lock():  # one build, whichever thread calls first
+                if self.compiled is None:
+                    with compat.real_inputs(args, self._tracing_ctx):
+                        self.compiled = self._build()
+        return self.compiled(args)
 
 
 def _device_type(example_inputs: list) -> str:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import enn_backend
-from enn_backend import models
+from enn_backend import compat, models
 from enn_backend.bench.backends import cache_dir
 from enn_backend.guard.runtime import GuardedGraph
 
@@ -99,10 +99,60 @@ def test_fault_in_a_cache_loaded_graph_is_handled_after_a_fresh_trace(cold, tmp_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fault_in_a_cache_loaded_cuda_graph(tmp_path, caplog):
+    # where the C++ wrapper's kernels are tuned on real inputs (torch 2.11), enn's default builds a
+    # backward on its first call, which keeps the unit out of AOT Autograd's cache (next test)
+    options = {"persist": False, **({"cpp_wrapper": False} if compat.cpp_wrapper_tunes_on_real_inputs() else {})}
     cache = str(tmp_path / "cold")
     torch.manual_seed(0)
-    *_, loss, grads = _compile_and_step(cache, options={"persist": False}, device="cuda")
-    _check_fault_after_warm_start(cache, None, loss, grads, tmp_path, caplog, "cuda", options={"persist": False})
+    *_, loss, grads = _compile_and_step(cache, options=options, device="cuda")
+    _check_fault_after_warm_start(cache, None, loss, grads, tmp_path, caplog, "cuda", options=options)
+
+
+@pytest.mark.parametrize("tunes_on_real_inputs", [False, True], ids=["torch-2.12+", "torch-2.11"])
+def test_a_training_warm_start_with_enns_cpp_wrapper(tunes_on_real_inputs, tmp_path, monkeypatch):
+    """enn's C++ wrapper default (CUDA's; here on the CPU) on both graphs of a training unit: where
+    Inductor compiles the wrapper's kernels on its first call (2.12+) the unit is an AOT Autograd
+    cache hit on a warm start; where it tunes them on the real inputs (2.11) the backward is built
+    on its first call, after AOT Autograd would have saved the unit: a miss, both graphs from
+    Inductor's FX graph cache. The cold start's values either way (the GPU test below: 2.11 on CUDA)."""
+    from enn_backend import graph_compiler
+
+    monkeypatch.setitem(graph_compiler.INDUCTOR_DEFAULTS, "cpu", {})
+    monkeypatch.setitem(graph_compiler.COMPILE_FX_DEFAULTS, "cpu", {"cpp_wrapper": True})
+    monkeypatch.setattr(compat, "cpp_wrapper_tunes_on_real_inputs", lambda: tunes_on_real_inputs)
+    cold_cache = str(tmp_path / "cold")
+    *_, loss_cold, grads_cold = _compile_and_step(cold_cache, options={"persist": False})
+    assert [g["path"] for g in enn_backend.report().to_dict()["graphs"]] == ["inductor", "inductor"]
+    compat.dynamo_counters.clear()
+    _, (*_, loss, grads) = _warm(cold_cache, tmp_path, {"persist": False})
+    assert enn_backend.report().counters.get("aot_cache.hits", 0) == (0 if tunes_on_real_inputs else 1)
+    assert compat.dynamo_counters["inductor"]["fxgraph_cache_hit"] == 2  # no Inductor compile either way
+    assert torch.equal(loss, loss_cold) and all(torch.equal(grads[n], grads_cold[n]) for n in grads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_training_warm_start_with_enns_cpp_wrapper(tmp_path):
+    """With enn's defaults on CUDA both graphs of a training unit get the C++ wrapper. Where its
+    kernels are tuned on the real inputs (torch 2.11) the backward is built on its first call, after
+    AOT Autograd would have saved the unit to its cache: a warm start traces the unit again (an
+    AOT cache miss) and loads both graphs from Inductor's FX graph cache (no Inductor compile).
+    From torch 2.12 the unit is an AOT cache hit. The values are the cold start's either way."""
+    options = {"persist": False}
+    cold_cache = str(tmp_path / "cold")
+    torch.manual_seed(0)
+    *_, loss_cold, grads_cold = _compile_and_step(cold_cache, options=options, device="cuda")
+    assert [g["path"] for g in enn_backend.report().to_dict()["graphs"]] == ["inductor", "inductor"]
+    compat.dynamo_counters.clear()
+    _, (*_, loss, grads) = _warm(cold_cache, tmp_path, options, device="cuda")
+    hits = enn_backend.report().counters.get("aot_cache.hits", 0)
+    if compat.cpp_wrapper_tunes_on_real_inputs():
+        assert hits == 0 and compat.dynamo_counters["inductor"]["fxgraph_cache_hit"] == 2, dict(compat.dynamo_counters)
+    else:
+        assert hits == 1
+    torch.testing.assert_close(loss, loss_cold)
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads_cold[n])
 
 
 def _check_fault_after_warm_start(cache, _report, loss_cold, grads_cold, tmp_path, caplog, device, options=OPTIONS):

@@ -99,18 +99,21 @@ def test_enns_inductor_defaults_yield_to_options_and_to_a_failed_compile(monkeyp
     assert seen == [False, False] and not enn_backend.report().to_dict()["fallbacks"]
 
 
-def test_enns_compile_fx_defaults_give_forward_graphs_a_cpp_wrapper(monkeypatch):
-    """enn's compile_fx defaults (cpp_wrapper on CUDA; here on the CPU) reach an inference graph and
-    a training forward -- never a backward, nor a graph under CUDA graphs. A rung without enn's
-    defaults, and the guard's recompile after a fault (no real inputs to tune on), go without."""
+def test_enns_compile_fx_defaults_give_every_graph_a_cpp_wrapper(monkeypatch):
+    """enn's compile_fx defaults (cpp_wrapper on CUDA; here on the CPU) reach every graph's first
+    build: an inference graph, a training forward and its backward -- never a graph under CUDA
+    graphs. A rung without enn's defaults, and the guard's recompiles after a fault, go without.
+    On a torch that tunes the C++ wrapper's kernels on the real inputs (2.11), the backward is
+    built on its first call, with that call's inputs at hand; the values are eager's either way."""
     from enn_backend import compat, graph_compiler
 
     monkeypatch.setitem(graph_compiler.INDUCTOR_DEFAULTS, "cpu", {})
     monkeypatch.setitem(graph_compiler.COMPILE_FX_DEFAULTS, "cpu", {"cpp_wrapper": True})
-    real, seen, fail = compat.compile_fx_inner, [], []
+    real, seen, at_hand, fail = compat.compile_fx_inner, [], [], []
 
     def compile_fx_inner(gm, inputs, **kwargs):
         seen.append(kwargs.get("cpp_wrapper", False))
+        at_hand.append(compat.real_inputs_at_hand())
         if fail and seen[-1]:
             raise RuntimeError("no C++ wrapper for this graph")
         return real(gm, inputs, **kwargs)
@@ -119,6 +122,7 @@ def test_enns_compile_fx_defaults_give_forward_graphs_a_cpp_wrapper(monkeypatch)
         torch._dynamo.reset()
         enn_backend.reset()
         seen.clear()
+        at_hand.clear()
         compiled = torch.compile(model, backend="enn", options={**ISOLATED, **options})
         with compat.no_aot_autograd_cache():  # every run compiles
             if grad:
@@ -133,12 +137,17 @@ def test_enns_compile_fx_defaults_give_forward_graphs_a_cpp_wrapper(monkeypatch)
     model, x = make("mlp")
     rep = compile_and_run({})
     assert seen == [True] and not rep["fallbacks"] and rep["graphs"][0]["path"] == "inductor"
-    compile_and_run({}, grad=True)
-    assert seen == [True, False]  # forward, backward (compiled on its first call: real inputs gone)
-    with monkeypatch.context() as m:  # a backward compiled while compile_fx still holds the real inputs
-        m.setattr(compat, "real_inputs_at_hand", lambda: True)
+    with monkeypatch.context() as m:  # a torch that compiles the kernels on the first call (2.12+)
+        m.setattr(compat, "cpp_wrapper_tunes_on_real_inputs", lambda: False)
         compile_and_run({}, grad=True)
-    assert seen == [True, False]
+        assert seen == [True, True] and at_hand == [True, False]  # AOT compiles a backward on fake inputs
+    with monkeypatch.context() as m:  # one that tunes them on the real inputs (2.11)
+        m.setattr(compat, "cpp_wrapper_tunes_on_real_inputs", lambda: True)
+        rep = compile_and_run({}, grad=True)
+        assert seen == [True, True] and at_hand == [True, True]  # the backward's: on its first call
+        assert [g["path"] for g in rep["graphs"]] == ["inductor", "inductor"] and not rep["fallbacks"]
+        compile_and_run({"guard": "off"}, grad=True)  # AOT donates the backward's inputs: no tuning run on them
+        assert seen == [True, False]
     compile_and_run({"mode": "reduce-overhead"})
     assert seen == [False]
 

@@ -35,15 +35,15 @@ from .dynamo_aot import (  # noqa: F401
 from .flex import (  # noqa: F401
     cpu_flex_needs_distinct_buffers, flex_attention_hop, flex_dense_to_ordered, flex_kernel_options)
 from .inductor import (  # noqa: F401
-    CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, dynamo_counters, fallback_lowering,
-    fx_graph_cache_counters, hash_files, inductor_cache_dir, inductor_compile_fx, inductor_config, without_cudagraphs,
-    inductor_config_patches, inductor_lowering, real_inputs_at_hand, inductor_lowerings_patched, inductor_option_types,
-    mode_config_patches, remove_noop_ops, select_decomp_table, stable_topological_sort)
+    CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, cpp_wrapper_config, dynamo_counters,
+    fallback_lowering, fx_graph_cache_counters, hash_files, inductor_cache_dir, inductor_compile_fx, inductor_config,
+    without_cudagraphs, inductor_config_patches, inductor_lowering, inductor_lowerings_patched, inductor_option_types, lifts_params,
+    mode_config_patches, real_inputs, real_inputs_at_hand, remove_noop_ops, select_decomp_table, stable_topological_sort)
 from .miscompiles import KNOWN_MISCOMPILES, KnownMiscompile, known_miscompiles  # noqa: F401
 from .runtime import dist_initialized, is_cuda_available, triton_version  # noqa: F401
 from .tracing import (  # noqa: F401
     detect_fake_mode, fx_minifier, inputs_written, joint_fwd_bwd, make_fx, real_tensor_mode,
     registered_op_names, size_hint, trace_structured_artifact)
 from .versions import (  # noqa: F401
-    TORCH_VERSION, cpp_emulates_precision_casts, emulate_precision_casts_rounds_python_scalars,
-    export_traces_compiled_regions, inductor_compiles_nan_amax)
+    TORCH_VERSION, cpp_emulates_precision_casts, cpp_wrapper_tunes_on_real_inputs,
+    emulate_precision_casts_rounds_python_scalars, export_traces_compiled_regions, inductor_compiles_nan_amax)

@@ -55,13 +55,50 @@ def inductor_config_patches(mode: str, options: Any) -> dict[str, Any]:
 
 
 def real_inputs_at_hand() -> bool:
-    """Whether compile_fx holds the real inputs of the graph being compiled (``V.real_inputs``):
-    with ``cpp_wrapper`` Inductor runs the graph once on them to tune the kernels its C++ wrapper
-    launches, and on random ones otherwise (which may index out of bounds). They are at hand
-    while compile_fx compiles a forward or inference graph, not in a later (re)compile."""
+    """Whether compile_fx holds the real inputs of the graph being compiled (``V.real_inputs``),
+    which the C++ wrapper's kernels are tuned on where Inductor needs them
+    (:func:`~enn_backend.compat.versions.cpp_wrapper_tunes_on_real_inputs`). They are at hand
+    while compile_fx compiles a forward or inference graph, and in a compile enn runs on a
+    graph's first call (:func:`real_inputs`); not in a backward's compile, which AOT Autograd
+    runs on fake inputs, nor in the guard's recompiles."""
     from torch._inductor.virtualized import NullHandler, V
 
     return not isinstance(V.real_inputs, NullHandler)
+
+
+@contextlib.contextmanager
+def real_inputs(args: list, tracing_ctx: Any) -> Iterator[None]:
+    """Hand ``args`` -- a graph's inputs, in its placeholder order -- to the compile of that graph
+    as compile_fx hands a forward's (``V.real_inputs``). Inductor prepends the tracing context's
+    lifted parameters to them (``params_flat``, the forward's first inputs), which do not
+    belong to any other graph: the caller leaves out a graph whose context has any
+    (:func:`lifts_params`)."""
+    from torch._inductor.virtualized import V
+
+    assert not lifts_params(tracing_ctx), "real inputs of a graph whose tracing context lifts parameters"
+    with V.set_real_inputs(args):
+        yield
+
+
+@contextlib.contextmanager
+def cpp_wrapper_config(on: bool) -> Iterator[None]:
+    """Inductor's config for a graph compiled with the C++ wrapper (``get_cpp_wrapper_config``:
+    kernel binaries kept for the wrapper to load, ...), as compile_fx sets it around a forward
+    (``on``; nothing otherwise)."""
+    if not on:
+        yield
+        return
+    from torch._inductor.compile_fx import get_cpp_wrapper_config
+
+    with inductor_config.patch(get_cpp_wrapper_config()):
+        yield
+
+
+def lifts_params(tracing_ctx: Any) -> bool:
+    """Whether AOT Autograd lifted module parameters into the tracing context (``params_flat``:
+    Dynamo without ``inline_inbuilt_nn_modules``), which Inductor takes for a forward's first
+    real inputs."""
+    return bool(getattr(tracing_ctx, "params_flat", None))
 
 
 def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:

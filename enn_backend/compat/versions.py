@@ -44,3 +44,16 @@ def export_traces_compiled_regions() -> bool:
     backend, ``eager`` included (2.11 and 2.13 measured; 2.12 not). Covered by
     tests/test_export.py::test_a_compile_that_export_asks_for_runs_as_captured."""
     return TORCH_VERSION >= (2, 13)
+
+
+def cpp_wrapper_tunes_on_real_inputs() -> bool:
+    """torch < 2.12: Inductor's C++ wrapper for a CUDA graph is generated in two passes: the
+    graph is first compiled with the Python wrapper and run once on its real inputs (compile_fx's
+    ``V.real_inputs``; without them, on random ones made from the fake inputs, which may index out
+    of bounds), which tunes and records the kernels the C++ wrapper then launches. A backward,
+    compiled by AOT Autograd on fake inputs, fails there ("CudaKernelParamCache not populated",
+    2.11 measured: bench/results/gpu-h100/real_gaps_cpp_wrapper.log). From 2.12 the JIT C++
+    wrapper is generated in one pass and compiles its kernels on its first call (``GraphLowering.
+    codegen_with_cpp_wrapper``: checked in the 2.11, 2.12.1, 2.13, 2.14.1 and 2.15 sources).
+    Covered by tests/test_guard.py::test_enns_compile_fx_defaults_give_every_graph_a_cpp_wrapper."""
+    return TORCH_VERSION < (2, 12)
