@@ -67,15 +67,13 @@ def real_inputs_at_hand() -> bool:
 
 
 @contextlib.contextmanager
-def real_inputs(args: list, tracing_ctx: Any) -> Iterator[None]:
+def real_inputs(args: list) -> Iterator[None]:
     """Hand ``args`` -- a graph's inputs, in its placeholder order -- to the compile of that graph
     as compile_fx hands a forward's (``V.real_inputs``). Inductor prepends the tracing context's
-    lifted parameters to them (``params_flat``, the forward's first inputs), which do not
-    belong to any other graph: the caller leaves out a graph whose context has any
-    (:func:`lifts_params`)."""
+    lifted parameters to them (``params_flat``, the forward's first inputs), which belong to no
+    other graph: only for a graph whose context lifts none (:func:`lifts_params`)."""
     from torch._inductor.virtualized import V
 
-    assert not lifts_params(tracing_ctx), "real inputs of a graph whose tracing context lifts parameters"
     with V.set_real_inputs(args):
         yield
 
@@ -84,7 +82,8 @@ def real_inputs(args: list, tracing_ctx: Any) -> Iterator[None]:
 def cpp_wrapper_config(on: bool) -> Iterator[None]:
     """Inductor's config for a graph compiled with the C++ wrapper (``get_cpp_wrapper_config``:
     kernel binaries kept for the wrapper to load, ...), as compile_fx sets it around a forward
-    (``on``; nothing otherwise)."""
+    (``on``; nothing otherwise). Around a backward, 2.11's compile_fx sets it only where
+    ``cpp_wrapper`` was on when AOT Autograd asked, and its compile_fx_inner never does."""
     if not on:
         yield
         return
