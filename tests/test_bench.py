@@ -163,6 +163,16 @@ def test_runner_markdown_and_plots(tiny_result):
     assert (out / "again" / "tiny.md").read_text().count("| mlp |") == 1
 
 
+def test_the_warm_up_times_each_compiled_backend_and_the_results_say_so(tiny_result, tmp_path):
+    # once-per-process costs (compile workers, the C++ wrapper's precompiled header) go to a warm-up
+    # of their own, reported apart, so that no workload's cold compile carries them
+    seconds = backends.warm_up_compiler("cpu", str(tmp_path), ["eager", "inductor"])
+    assert list(seconds) == ["inductor"] and seconds["inductor"] > 0
+    md = markdown.render_markdown({**tiny_result[0], "warm_up_s": {"inductor": 1.25, "enn": 40.5}})
+    assert "One-time warm-up before the first workload" in md and "inductor 1.2 s, enn 40.5 s" in md
+    assert "One-time warm-up" not in markdown.render_markdown(tiny_result[0])
+
+
 def test_summary_says_by_how_much_a_goal_is_missed():
     wl = lambda m, sp, dt="bf16": {"model": m, "mode": "train", "dtype": dt, "speedup_enn_vs_inductor": sp,  # noqa: E731
                                    "backends": {"inductor": {"compile_cold_s": 10.0}, "enn": {"compile_cold_s": 15.0}}}

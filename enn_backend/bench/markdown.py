@@ -51,7 +51,8 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
         f"({result['workloads'][0].get('timing_method', '?') if result.get('workloads') else '?'}), backend order rotated each round, after untimed steps past enn's guard warm-up (its first checked calls); "
         "a speedup is the median over rounds of the per-round time ratio (the two samples of a round share its noise). "
         "Training step = zero_grad + forward + loss + backward + AdamW step (the model is compiled, the optimizer runs eagerly). "
-        "Cold compile = first call (forward + backward for training) into an empty per-backend Inductor cache; "
+        "Cold compile = first call (forward + backward for training) into an empty per-backend Inductor cache "
+        "(after the one-time warm-up below); "
         "warm compile = the same after a Dynamo reset, from that backend's filled disk cache. "
         "Which compiled backend compiles first alternates from workload to workload within each mode and dtype "
         "(`compile_order` in the JSON).")
@@ -75,6 +76,11 @@ def render_markdown(result: dict[str, Any], files: dict[str, str] | None = None)
     lines.append(f"Cold compile time enn / inductor: total {_f(c.get('cold_total_ratio'))} "
                  f"({_f(c.get('cold_total_enn_s'), '.1f')} s vs {_f(c.get('cold_total_inductor_s'), '.1f')} s), "
                  f"geomean {_f(c.get('cold_geomean_ratio'))}, worst {_f(c.get('cold_worst_ratio'))}; warm geomean {_f(c.get('warm_geomean_ratio'))}.")
+    if result.get("warm_up_s"):
+        lines.append("One-time warm-up before the first workload (a small training step per compiled backend, in no "
+                     "workload's cold compile time): " + ", ".join(f"{b} {t:.1f} s" for b, t in result["warm_up_s"].items())
+                     + ". It starts Inductor's compile workers, and builds the precompiled header of Inductor's C++ "
+                     "wrapper for a backend that uses it on CUDA (enn), once per machine and torch version.")
     acc = s.get("accuracy", {})
     lines.append("Accuracy verdicts (pass/fail): " + ", ".join(f"{b} {a['pass']}/{a['fail']}"
                                                              + (f" ({a['not_judged']} not judged)" if a.get("not_judged") else "")

@@ -344,9 +344,7 @@ def run_suite(cfg: BenchConfig, on_workload: Callable[[dict[str, Any]], None] | 
                 torch.set_num_threads(cfg.threads)
             result["device"]["torch_threads"] = torch.get_num_threads()
             if cfg.warm_up:
-                t0 = time.perf_counter()
-                warm_up_compiler(cfg.device, cache_root)
-                result["compiler_warm_up_s"] = time.perf_counter() - t0
+                result["warm_up_s"] = warm_up_compiler(cfg.device, cache_root, cfg.backends)
             _run_workloads(cfg, result, cache_root, t_start, on_workload)
     finally:
         torch.set_num_threads(old_threads)
