@@ -125,8 +125,9 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     warm = WarmStart(pristine, example_inputs, opts, unit, patches, decompositions)
     # the guard re-runs a faulty graph on its inputs: a guarded backward must not write into them
     kept = compat.saved_tensors_kept() if opts.guard.guarded else contextlib.nullcontext()
+    # the C++ wrapper's builds (and its loads from the caches) without 2.11's CPU-ISA probe: see compat
     with compat.aot_cache_hits(warm.on_load), module_state(example_inputs) as state, kept, \
-            compat.inductor_attention_rewrites_off():  # enn owns attention: see compat
+            compat.inductor_attention_rewrites_off(), compat.device_builds_skip_vec_isa_probe():  # enn owns attention
         compiled = compat.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches,
                                      decompositions=decompositions)
     assumed = warm.assumed if warm.hit else {i: content_digest(t) for i, t in state.assumed.items()}

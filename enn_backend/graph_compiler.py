@@ -356,7 +356,8 @@ class GraphCompiler:
             patches["triton.cudagraphs"] = False
         # compile_lock: the guard recompiles at run time, possibly while another thread compiles
         with compat.compile_lock(), compat.tracing_context(self.tracing_ctx), compat.inductor_config.patch(patches), \
-                compat.cpp_wrapper_config(cpp_wrapper), enn_lowerings(enabled=enn):
+                compat.cpp_wrapper_config(cpp_wrapper), compat.device_builds_skip_vec_isa_probe(), \
+                enn_lowerings(enabled=enn):
             return compat.compile_fx_inner(gm, self.example_inputs, **kwargs)
 
     def adopt(self, compiled: Any, pins: frozenset[str] = frozenset(), fp32: bool = False) -> None:

@@ -163,6 +163,62 @@ def test_enns_compile_fx_defaults_give_every_graph_a_cpp_wrapper(monkeypatch):
     assert [f["kind"] for f in rep["fallbacks"] if f["kind"] != "pinned_from_state"] == ["nonfinite"]
 
 
+
+def test_device_builds_skip_the_cpu_isa_probe_where_inductor_runs_it(monkeypatch):
+    """torch 2.11's CppCodeCache.load_async probes the CPU's vector ISAs (a test build per ISA,
+    each loaded by a new Python process) before any C++ build: 40-45 s per process on the H100
+    host. Inside enn's compiles -- a unit's, and a graph's build on its first call -- a build of
+    device code without a CPU vector kernel (a CUDA graph's C++ wrapper) goes without it, as
+    torch 2.13 decides; CPU code and vector kernels keep it, and everything is put back after."""
+    from torch._inductor import codecache
+    from torch._inductor.cpu_vec_isa import invalid_vec_isa
+
+    from enn_backend import compat, graph_compiler
+
+    probes, isas = [], []
+    monkeypatch.setattr(compat.inductor, "inductor_probes_vec_isa_only_for_cpu_code", lambda: False)  # 2.11
+
+    def load_async(cls, main_code, device_type="cpu", submit_fn=None, extra_flags=(), optimized_code=None):
+        isas.append(codecache.pick_vec_isa())
+        return cls
+
+    with monkeypatch.context() as m:
+        m.setattr(codecache, "pick_vec_isa", lambda: probes.append(1) or "avx512")
+        m.setattr(codecache.CppCodeCache, "load_async", classmethod(load_async))
+        with compat.device_builds_skip_vec_isa_probe():
+            with compat.device_builds_skip_vec_isa_probe():  # re-entrant: one swap
+                assert codecache.CppWrapperCodeCache.load_async("void call() {}", "cuda") is codecache.CppWrapperCodeCache
+            codecache.CppCodeCache.load_async("void call() {}", device_type="cuda:0")
+            codecache.CppCodeCache.load_async("at::vec::Vectorized<float> v;", device_type="cuda")
+            codecache.CppCodeCache.load_async("void call() {}", device_type="cuda", optimized_code="prod_masked_reduce(")
+            codecache.CppCodeCache.load_async("void call() {}", "cpu")
+        assert isas == [invalid_vec_isa, invalid_vec_isa, "avx512", "avx512", "avx512"] and len(probes) == 3
+        assert codecache.CppCodeCache.__dict__["load_async"].__func__ is load_async  # put back
+        with monkeypatch.context() as newer:  # a torch that decides itself: nothing swapped
+            newer.setattr(compat.inductor, "inductor_probes_vec_isa_only_for_cpu_code", lambda: True)
+            with compat.device_builds_skip_vec_isa_probe():
+                codecache.CppCodeCache.load_async("void call() {}", "cuda")
+            assert isas[-1] == "avx512"
+        assert codecache.pick_vec_isa() == "avx512"
+
+    # enn's compiles run inside the swap: the unit's compile, and a backward built on its first call
+    monkeypatch.setattr(compat, "cpp_wrapper_tunes_on_real_inputs", lambda: True)
+    monkeypatch.setitem(graph_compiler.COMPILE_FX_DEFAULTS, "cpu", {"cpp_wrapper": True})
+    real, swapped = compat.compile_fx_inner, []
+
+    def compile_fx_inner(gm, inputs, **kwargs):
+        swapped.append(getattr(codecache.CppCodeCache.__dict__["load_async"].__func__, "_enn_skips_probe", False))
+        return real(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(compat, "compile_fx_inner", compile_fx_inner)
+    torch._dynamo.reset()
+    model, x = make("mlp")
+    with compat.no_aot_autograd_cache():
+        assert_close_step(train_step(model, x, torch.compile(model, backend="enn", options=ISOLATED)),
+                          train_step(model, x))
+    assert swapped == [True, True] and not getattr(codecache.CppCodeCache.load_async, "_enn_skips_probe", False)
+
+
 def test_a_planted_compile_fault_skips_the_rung_without_enns_inductor_defaults(monkeypatch):
     """A fault planted in the graph fails every rung that holds it: the step down goes straight to
     the rung without enn's rewrites, blaming the op once per graph."""

@@ -35,7 +35,8 @@ from .dynamo_aot import (  # noqa: F401
 from .flex import (  # noqa: F401
     cpu_flex_needs_distinct_buffers, flex_attention_hop, flex_dense_to_ordered, flex_kernel_options)
 from .inductor import (  # noqa: F401
-    CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, cpp_wrapper_config, dynamo_counters,
+    CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, cpp_wrapper_config,
+    device_builds_skip_vec_isa_probe, dynamo_counters,
     fallback_lowering, fx_graph_cache_counters, hash_files, inductor_cache_dir, inductor_compile_fx, inductor_config,
     without_cudagraphs, inductor_config_patches, inductor_lowering, inductor_lowerings_patched, inductor_option_types,
     lifts_params, mode_config_patches, real_inputs, real_inputs_at_hand, remove_noop_ops, select_decomp_table,

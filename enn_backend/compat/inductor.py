@@ -93,6 +93,72 @@ def cpp_wrapper_config(on: bool) -> Iterator[None]:
         yield
 
 
+# Source text that marks a CPU vector kernel, which needs Inductor's vector ISA flags to build
+# (torch 2.13's codecache._VEC_ISA_CPP_SOURCE_MARKERS).
+_VEC_ISA_MARKERS = ("at::vec::", "prod_masked_reduce(")
+
+
+def inductor_probes_vec_isa_only_for_cpu_code() -> bool:
+    """Whether Inductor's C++ builds ask for the CPU's vector ISA only where the source holds a
+    CPU vector kernel (``codecache._resolve_needs_vec_isa``: torch 2.13 has it, 2.11 does not)."""
+    from torch._inductor import codecache
+
+    return hasattr(codecache, "_resolve_needs_vec_isa")
+
+
+@contextlib.contextmanager
+def device_builds_skip_vec_isa_probe() -> Iterator[None]:
+    """Inductor's C++ builds of device code (the C++ wrapper of a CUDA graph) without its probe
+    of the CPU's vector ISAs, where Inductor still runs that probe for every build.
+
+    The probe (``cpu_vec_isa.valid_vec_isa_list``) compiles a test library per candidate ISA and
+    loads each in a new Python process that imports torch; its answer is kept for the process
+    only. torch 2.11's ``CppCodeCache.load_async`` asks for it before any C++ build, whatever
+    the device: 40-45 s at the first compile of every process on the H100 host, against
+    4.5 s for a whole first training step under Inductor's Python wrapper
+    (bench/results/gpu-h100/first_compile.log, first_compile_profile.log). The answer only adds
+    CPU arch flags and macros to the build, which code without a CPU vector kernel does not read;
+    later Inductor asks only where the source holds one (``_resolve_needs_vec_isa``, torch
+    2.13), and this applies that rule where Inductor lacks it. The swap of ``pick_vec_isa`` is
+    process-wide, so it happens inside a compile, under Dynamo's compile lock: Inductor compiles
+    one graph at a time per process. Re-entrant."""
+    from torch._inductor import codecache
+
+    current = codecache.CppCodeCache.__dict__.get("load_async")
+    if (inductor_probes_vec_isa_only_for_cpu_code() or not hasattr(codecache, "pick_vec_isa")
+            or not isinstance(current, classmethod) or getattr(current.__func__, "_enn_skips_probe", False)):
+        yield  # Inductor decides itself, or an enclosing block already swapped it
+        return
+    import inspect
+
+    from torch._inductor.cpu_vec_isa import invalid_vec_isa
+
+    original = current.__func__
+    signature = inspect.signature(original)
+
+    def load_async(cls: type, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(cls, *args, **kwargs)
+        bound.apply_defaults()
+        device = str(bound.arguments.get("device_type", "cpu")).split(":")[0]
+        source = "".join(s for s in (bound.arguments.get("main_code"), bound.arguments.get("optimized_code"))
+                         if isinstance(s, str))
+        if device == "cpu" or any(m in source for m in _VEC_ISA_MARKERS):
+            return original(cls, *args, **kwargs)
+        pick = codecache.pick_vec_isa
+        codecache.pick_vec_isa = lambda: invalid_vec_isa
+        try:
+            return original(cls, *args, **kwargs)
+        finally:
+            codecache.pick_vec_isa = pick
+
+    load_async._enn_skips_probe = True  # type: ignore[attr-defined]
+    codecache.CppCodeCache.load_async = classmethod(load_async)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        codecache.CppCodeCache.load_async = current  # type: ignore[method-assign]
+
+
 def lifts_params(tracing_ctx: Any) -> bool:
     """Whether AOT Autograd lifted module parameters into the tracing context (``params_flat``:
     Dynamo without ``inline_inbuilt_nn_modules``), which Inductor takes for a forward's first
