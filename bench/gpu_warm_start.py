@@ -22,8 +22,9 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("inductor", "enn", "enn backward python wrapper", "enn no pch")
-OPTIONS = {"enn no pch": {"cpp_cache_precompile_headers": False}}  # the C++ wrappers without a precompiled header
+VARIANTS = ("inductor", "enn", "enn backward python wrapper", "enn no pch", "enn wrapper O0")
+OPTIONS = {"enn no pch": {"cpp_cache_precompile_headers": False},  # the C++ wrappers without a precompiled header
+           "enn wrapper O0": {"aot_inductor.compile_wrapper_opt_level": "O0"}}  # ... compiled unoptimized (O1 by default)
 
 
 def one(name: str, variant: str) -> dict:
