@@ -64,10 +64,10 @@ INDUCTOR_DEFAULTS: dict[str, dict[str, Any]] = {
 # recompiles do not (GraphCompiler.cpp_wrapper_ok). torch 2.11 tunes the C++ wrapper's kernels on
 # the graph's real inputs, which AOT Autograd's compile of a backward lacks: there the backward
 # is built on its first call (GraphCompiler.waits_for_first_call), which keeps the unit out of AOT
-# Autograd's cache (a warm start: ViT training 0.7 -> 1.9-2.4 s, warm_start_backward_cpp.log). The cost
+# Autograd's cache (a warm start of ViT training: 1.6 s, 0.3 s under Inductor). The cost
 # everywhere: a cold compile into an empty Inductor cache compiles each wrapper as C++ (ViT
-# training's first step 13 s under Inductor, 61 s under enn with the C++ wrapper on the forward
-# only, 73-76 s with it on both, precompiled headers included: without them 86 s, warm_start_pch.log).
+# training's first step 23.7 s, 12.1 s under Inductor: warm_start_no_probe.log), and the first
+# wrapper on a machine builds the precompiled header (about 6 s, first_compile_no_probe.log).
 COMPILE_FX_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"cpp_wrapper": True},
 }
@@ -89,7 +89,7 @@ def _announce_cpp_wrapper() -> None:
     # once per process: the first compile with a C++ wrapper into a fresh Inductor cache is slow
     log.info("enn: CUDA graphs compile with Inductor's C++ wrapper (fewer host cycles per call; "
              "options={'cpp_wrapper': False} turns it off). A compile into an empty Inductor cache compiles "
-             "each wrapper as C++, and the first also builds its precompiled headers: up to a minute more.")
+             "each wrapper as C++ (seconds per graph), and the first on a machine builds its precompiled header.")
 
 
 def _unset(defaults: dict[str, Any], opts: Options) -> dict[str, Any]:
