@@ -74,8 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return 0
     print(f"# python bench/gpu_first_compile.py --variants \"{args.variants}\"")
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU'}")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print(f"{'variant':22s} {'first step s':>12s} {'then ms':>8s} {'g++ header s (n)':>17s} "
           f"{'g++ wrappers s (n)':>19s} {'headers on disk before/after':>29s}")
     for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
