@@ -23,7 +23,7 @@ import tempfile
 CHILD = r"""
 import json, os, sys, time
 import torch
-from torch._inductor import codecache, cpp_builder
+from torch._inductor import codecache, cpp_builder  # Inductor's internals: what this probe times (no public API)
 
 spent = {"header": 0.0, "wrapper": 0.0, "header_builds": 0, "wrapper_builds": 0}
 name = "run_compile_cmd" if hasattr(cpp_builder, "run_compile_cmd") else "_run_compile_cmd"

@@ -163,7 +163,6 @@ def test_enns_compile_fx_defaults_give_every_graph_a_cpp_wrapper(monkeypatch):
     assert [f["kind"] for f in rep["fallbacks"] if f["kind"] != "pinned_from_state"] == ["nonfinite"]
 
 
-
 def test_device_builds_skip_the_cpu_isa_probe_where_inductor_runs_it(monkeypatch):
     """torch 2.11's CppCodeCache.load_async probes the CPU's vector ISAs (a test build per ISA,
     each loaded by a new Python process) before any C++ build: 40-45 s per process on the H100
