@@ -148,6 +148,7 @@ class WarmStart:
         self._symbolic = [known.get(x) if known is not None and isinstance(x, torch.Tensor) else None
                           for x in example_inputs]
         self.hit = False
+        self.metadata: Any = None  # AOT Autograd's metadata of the entry a hit loaded
         self.assumed: dict[int, str] = {}
         self._traced: dict[str, Any] | None = None
 
@@ -169,6 +170,7 @@ class WarmStart:
             raise
         records[0].compile_time_s = time.perf_counter() - t0
         self.hit = True
+        self.metadata = getattr(entry, "runtime_metadata", None)  # what the unit writes (guard/dynamo_reference.py)
         unit = metas[0]["unit"]
         self.assumed = {int(i): d for i, d in unit["assumed"].items()}
         for f in unit["fallbacks"]:

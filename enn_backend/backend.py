@@ -133,8 +133,10 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     assumed = warm.assumed if warm.hit else {i: content_digest(t) for i, t in state.assumed.items()}
     if assumed:
         compiled = BufferContentGuard(compiled, _fresh(pristine), assumed, unit)
-    # the value check's second reference: the graph Dynamo handed over (guard/dynamo_reference.py)
-    return DynamoReference.wrap(compiled, _fresh(pristine), opts, unit)
+    # the value check's second reference: the graph Dynamo handed over (guard/dynamo_reference.py),
+    # told what the unit writes by AOT Autograd's metadata (of the compile, or of the cache entry)
+    metadata = warm.metadata if warm.hit else compat.aot_metadata(compat.current_tracing_context())
+    return DynamoReference.wrap(compiled, _fresh(pristine), opts, unit, metadata)
 
 
 def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_specs: tuple) -> Callable[..., Any]:

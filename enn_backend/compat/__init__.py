@@ -29,9 +29,10 @@ from .attention_rewrites import (  # noqa: F401
     inductor_attention_rewrites, inductor_attention_rewrites_off, is_inductor_attention_rewrite)
 from .cache_artifacts import record_cache_artifact, register_cache_artifact  # noqa: F401
 from .dynamo_aot import (  # noqa: F401
-    FXGraphCacheMiss, aot_cache_hits, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,
+    FXGraphCacheMiss, aot_cache_hits, aot_metadata, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,
     copy_dynamo_graph, current_tracing_context, donated_inputs, eager_backward_compile, forward_results, functorch_config,
-    is_dynamo_control_flow, keep_out_of_aot_cache, no_aot_autograd_cache, saved_tensors_kept, tracing_context)
+    is_dynamo_control_flow, keep_out_of_aot_cache, mutated_flat_inputs, no_aot_autograd_cache, saved_tensors_kept,
+    tracing_context)
 from .flex import (  # noqa: F401
     cpu_flex_needs_distinct_buffers, flex_attention_hop, flex_dense_to_ordered, flex_kernel_options)
 from .inductor import (  # noqa: F401
@@ -44,7 +45,7 @@ from .inductor import (  # noqa: F401
 from .miscompiles import KNOWN_MISCOMPILES, KnownMiscompile, known_miscompiles  # noqa: F401
 from .runtime import dist_initialized, is_cuda_available, triton_version  # noqa: F401
 from .tracing import (  # noqa: F401
-    detect_fake_mode, fx_minifier, inputs_written, joint_fwd_bwd, make_fx, real_tensor_mode,
+    detect_fake_mode, fx_minifier, joint_fwd_bwd, make_fx, real_tensor_mode,
     registered_op_names, size_hint, trace_structured_artifact)
 from .versions import (  # noqa: F401
     TORCH_VERSION, cpp_emulates_precision_casts, cpp_wrapper_tunes_on_real_inputs,

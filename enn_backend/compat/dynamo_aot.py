@@ -186,6 +186,27 @@ def forward_results(ctx: Any) -> int | None:
     return n if isinstance(n, int) else None
 
 
+def aot_metadata(ctx: Any) -> Any:
+    """AOT Autograd's view-and-mutation metadata of the unit just compiled under ``ctx`` (the
+    tracing context: ``fw_metadata``), or None."""
+    return getattr(ctx, "fw_metadata", None)
+
+
+def mutated_flat_inputs(metadata: Any, n_flat: int) -> list[int] | None:
+    """Indices of AOT Autograd's flat inputs -- the module's parameters and buffers (as
+    ``named_parameters`` / ``named_buffers`` list them, duplicates kept), then the graph's inputs
+    -- that the compiled unit writes into: data, metadata or storage. From functionalization, not
+    op schemas: it sees a BatchNorm's running statistics, foreach updates, writes through views.
+    ``metadata``: a ``ViewAndMutationMeta`` (its ``input_info``, 2.11 - 2.15). None where it is
+    missing or lists another number of inputs (AOT Autograd deduplicated them, or made a
+    synthetic base): the caller must then assume any input may be written."""
+    info = getattr(metadata, "input_info", None)
+    if info is None or len(info) != n_flat:
+        return None
+    return [i for i, a in enumerate(info)
+            if a.mutates_data or a.mutates_metadata or getattr(a, "mutation_inductor_storage_resize", False)]
+
+
 @contextlib.contextmanager
 def tracing_context(ctx: Any) -> Iterator[None]:
     """Re-enter the tracing context a graph was first compiled under (for recompiles)."""

@@ -43,40 +43,6 @@ def registered_op_names(namespace: str) -> list[str]:
     return sorted({n for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)})
 
 
-# --- What a Dynamo graph writes into (guard/dynamo_reference.py) ---------------------------
-# FakeTensorMode(allow_non_fake_inputs=...), FakeTensorMode.from_tensor and TorchDispatchMode are
-# unchanged from 2.1 through 2.15 (checked in the 2.13 sources). Writes are read off each op's
-# schema (``Tensor(a!)``), not version counters: a fake tensor's counter misses foreach writes.
-
-
-def inputs_written(gm: torch.fx.GraphModule, args: list) -> list[int]:
-    """Indices of the tensors among ``args`` that running ``gm`` writes into (through a view
-    too), found by running it on fake copies: nothing is computed or written."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-    storage_of = {f.untyped_storage()._cdata: i for i, f in enumerate(fakes) if isinstance(f, torch.Tensor)}
-    written: set[int] = set()
-
-    class Writes(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            for i, a in enumerate(func._schema.arguments):
-                if a.alias_info is None or not a.alias_info.is_write:
-                    continue
-                value = args[i] if i < len(args) else kwargs.get(a.name)
-                for t in value if isinstance(value, (list, tuple)) else [value]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata in storage_of:
-                        written.add(storage_of[t.untyped_storage()._cdata])
-            return func(*args, **kwargs)
-
-    with mode, Writes(), torch.no_grad():
-        gm(*fakes)
-    return sorted(written)
-
-
 # --- Real tensors while a FakeTensorMode is active (passes/epilogue.py) -----------------
 # Joint-graph passes run inside AOT Autograd's FakeTensorMode. The epilogue pass evaluates
 # small real float64 probes; torch._subclasses.fake_tensor.unset_fake_temporarily exists,

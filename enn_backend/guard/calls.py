@@ -71,12 +71,83 @@ LADDER = threading.RLock()
 
 
 class Call:
-    """What the ladder needs of one call: its inputs (None when not held), copies of the inputs
-    it may write into, the RNG state before it, the fast path's generation it ran on, and what
-    the reference run left in the inputs and the RNG."""
+    """What the ladder needs of one call, and the rule every re-run follows.
 
-    __slots__ = ("inputs", "snapshot", "rng", "generation", "after")
+    ``inputs``: the call's inputs (None when not held); ``before``: private copies of the inputs
+    the graph may write (in place, or as scratch: a donated saved tensor), taken before the
+    compiled call; ``rng``: the RNG state before it; ``generation``: the fast path it ran on.
 
-    def __init__(self, inputs: list | None, snapshot: list | None, rng: RngSnapshot | None, generation: int) -> None:
-        self.inputs, self.snapshot, self.rng, self.generation = inputs, snapshot, rng, generation
-        self.after: tuple[list, RngSnapshot | None] | None = None  # what the reference run left
+    The rule: **a re-run never touches the caller's tensors.** Every re-run the guard makes (the
+    eager reference, the fp64 judge, localization trials, the fp32 retry, a retry on a newer fast
+    path) runs on :meth:`rerun_inputs` -- the inputs with each one the graph may write replaced by
+    a fresh copy of what it held before the call -- and replays the call's random draws, leaving
+    the RNG as the compiled call left it. So a BatchNorm's running statistics, an optimizer's
+    state or an input written in place are written once: by the compiled call, or, where the
+    guard returns another run's result instead, by :meth:`commit` of that run's writes. A
+    compiled output that shares memory with a donated input is not disturbed either.
+    """
+
+    __slots__ = ("inputs", "before", "rng", "generation")
+
+    def __init__(self, inputs: list | None, before: dict[int, torch.Tensor] | None, rng: RngSnapshot | None,
+                 generation: int) -> None:
+        self.inputs, self.before, self.rng, self.generation = inputs, before, rng, generation
+
+    @classmethod
+    def held(cls, args: list, written: list[int], random: bool, generation: int) -> "Call":
+        """A call about to run whose inputs the guard keeps: copies of ``written`` taken now."""
+        with torch.no_grad():
+            before = {i: args[i].clone() for i in written} if written else None
+        return cls(list(args), before, RngSnapshot() if random else None, generation)
+
+    def inputs_before(self) -> list:
+        """The inputs as they were before the call (the copies for those it may have written)."""
+        before = self.before or {}
+        return [before.get(i, x) for i, x in enumerate(self.inputs)]
+
+    def rerun_inputs(self) -> list:
+        """Inputs for one re-run: those the graph may write are fresh copies of what they held
+        before the call, the others the caller's own (a re-run reads them only)."""
+        if not self.before:
+            return list(self.inputs)
+        with torch.no_grad():
+            return [self.before[i].clone() if i in self.before else x for i, x in enumerate(self.inputs)]
+
+    @contextlib.contextmanager
+    def replaying(self) -> Any:
+        """Around a re-run: it draws the call's random numbers again; afterwards the RNG is as
+        the compiled call left it."""
+        if self.rng is None:
+            yield
+            return
+        after = RngSnapshot()
+        self.rng.restore()
+        try:
+            yield
+        finally:
+            after.restore()
+
+    def commit(self, ran: list, mutated: list[int]) -> None:
+        """Write into the caller's inputs what a re-run (on ``ran``, its :meth:`rerun_inputs`)
+        wrote into them: its result is the one the guard returns."""
+        with torch.no_grad():
+            for i in mutated:
+                if ran[i] is not self.inputs[i]:
+                    self.inputs[i].copy_(ran[i])
+
+
+class Run:
+    """One re-run's outcome: its results -- the graph's outputs, then the values it wrote into
+    the inputs the graph mutates -- the inputs it ran on (to :meth:`Call.commit` its writes),
+    and the exception it raised (results empty then)."""
+
+    __slots__ = ("results", "inputs", "exc", "n_out")
+
+    def __init__(self, outs: list | None, inputs: list, mutated: list[int], exc: BaseException | None) -> None:
+        self.inputs, self.exc = inputs, exc
+        self.n_out = len(outs) if outs is not None else 0
+        self.results = (list(outs) + [inputs[i] for i in mutated]) if outs is not None else []
+
+    @property
+    def outputs(self) -> list:
+        return self.results[:self.n_out]

@@ -1,39 +1,52 @@
 """The value check's second reference: the graph Dynamo handed to enn, run as torch runs it.
 
 The guard's first reference, enn's eager copy of a graph, is the ATen graph AOT Autograd traced
-with the decompositions applied. Where a decomposition is wrong (pytorch/pytorch#185464), the
-compiled code and the eager copy agree on the wrong value and the per-graph value check sees
+with the decompositions applied. Where a decomposition is wrong (pytorch/pytorch#185464, #186799),
+the compiled code and the eager copy agree on the wrong value and the per-graph value check sees
 nothing. So on the calls the value check samples -- a unit's first call, then every
 ``guard_values``-th (under ``guard="values"`` also every call of the warm-up and every
 ``guard_every``-th) -- :class:`DynamoReference` compares what the whole compiled unit returned
 (after the per-graph guard's own checks) with the Dynamo graph run eagerly on the same inputs:
-torch's ops, no decompositions, no autograd. It compares the outputs and what the unit writes
-into its inputs, with the value check's rules (guard/screen.py).
+torch's ops, no decompositions. It compares the outputs and what the unit writes (inputs written
+in place, module buffers, a compiled optimizer's parameters and state), with the value check's
+rules (guard/screen.py); and where the call records a backward, the gradients the compiled
+backward gives its inputs with those of the Dynamo graph run through autograd on the same inputs
+and the same cotangents (its forward run with autograd on the sampled call, kept until that
+backward has run).
+
+**What the reference writes.** The Dynamo graph runs on copies of everything the unit writes,
+taken before the compiled call: the compiled call writes the caller's tensors once, and the
+reference never does. What the unit writes comes from AOT Autograd's mutation metadata
+(functionalization: a BatchNorm's running statistics, foreach updates, writes through views),
+never from op schemas alone. Where that metadata is missing, every tensor input and module
+attribute is copied (counted as ``guard.dynamo_reference_copies_all``); where the copies do not
+fit in memory, the reference is switched off for the unit (logged, counted).
 
 A disagreement is judged by an fp64 run of the Dynamo graph (``screen.compiled_is_worse``):
 
 - the compiled result is further from fp64 than the Dynamo graph's: the graph AOT Autograd traced
-  is at fault. A ``dynamo_graph`` fallback (reported, logged; ``guard="strict"`` raises), the call
-  returns the Dynamo graph's result -- run again, with autograd, on the caller's inputs, so that
-  this call's gradients are the Dynamo graph's too -- and the unit runs the Dynamo graph eagerly
-  from then on;
+  is at fault. A ``dynamo_graph`` fallback (reported, logged; ``guard="strict"`` raises); in the
+  forward the call returns the Dynamo graph's result -- run again, with autograd, on the caller's
+  inputs, restored first, so that its writes land once and its gradients are the Dynamo graph's --
+  in the backward the Dynamo graph's gradients replace the compiled ones; the unit runs the
+  Dynamo graph eagerly from then on;
 - otherwise nobody is blamed (the Dynamo graph is the outlier, or no fp64 run exists): counted in
   the report (``guard.dynamo_reference_outlier``), compiled result kept.
 
-Not covered: gradients are not compared with the Dynamo graph's (its backward would need the
-caller's cotangents, which exist only later). A decomposition whose forward is right but whose
-backward is wrong is not seen here; the per-graph check compares the compiled backward with the
-eager copy's, which has the same decomposition. A unit that draws random numbers is not compared
-(the RNG moves during its compiled call; random draws differ by design), nor one whose Dynamo graph
-cannot run on fake tensors or eagerly (logged once, counted as ``guard.dynamo_reference_off``).
+Not compared: a unit that draws random numbers (the RNG moves during its compiled call; random
+draws differ by design), nor one whose Dynamo graph cannot run eagerly (logged once, counted as
+``guard.dynamo_reference_off``). A backward is compared where AOT Autograd's backward node is
+found among the outputs' autograd history (counted as ``guard.dynamo_backward_checks``).
 
-Cost: on a sampled call, one eager run of the Dynamo graph without autograd and a copy of the
-inputs it writes; an fp64 run only when the two disagree; once per unit, a run on fake tensors
-that finds the inputs the graph writes. Unsampled calls add a counter and a comparison.
+Cost: on a sampled call, copies of what the unit writes, one eager run of the Dynamo graph
+(with autograd when the call records a backward, whose activations live until the backward) and,
+in the backward, one eager backward; an fp64 run only when the two disagree. Unsampled calls add
+a counter and a comparison.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any, Callable
@@ -80,13 +93,103 @@ def _floats(a: Any, b: Any) -> bool:
     return all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in (a, b))
 
 
+def _module_state(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The graph module's parameters, then its buffers, by name, duplicates kept: the order of
+    AOT Autograd's flat inputs (a compiled optimizer's parameters and state live here)."""
+    return {**dict(gm.named_parameters(remove_duplicate=False)), **dict(gm.named_buffers(remove_duplicate=False))}
+
+
+class Writes:
+    """What a unit writes: graph inputs by index, module attributes by name. ``inputs`` None:
+    not known, every tensor input is taken as written."""
+
+    __slots__ = ("inputs", "attrs")
+
+    def __init__(self, inputs: list[int] | None, attrs: list[str]) -> None:
+        self.inputs, self.attrs = inputs, attrs
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, state: dict[str, torch.Tensor], metadata: Any) -> "Writes":
+        names = list(state)
+        n_in = len(gm.graph.find_nodes(op="placeholder"))
+        flat = compat.mutated_flat_inputs(metadata, len(names) + n_in)
+        if flat is None:
+            return cls(None, names)
+        return cls([i - len(names) for i in flat if i >= len(names)], [names[i] for i in flat if i < len(names)])
+
+    def input_indices(self, flat: list) -> list[int]:
+        if self.inputs is not None:
+            return self.inputs
+        return [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+
+
+class Before:
+    """Copies, taken before a compiled call, of what the unit may write."""
+
+    __slots__ = ("inputs", "attrs")
+
+    def __init__(self, flat: list, state: dict[str, torch.Tensor], writes: Writes) -> None:
+        with torch.no_grad():
+            self.inputs = {i: flat[i].clone() for i in writes.input_indices(flat)}
+            self.attrs = {n: state[n].clone() for n in writes.attrs}
+
+    def restore(self, flat: list, state: dict[str, torch.Tensor]) -> None:
+        """Put the copies back into the caller's tensors."""
+        with torch.no_grad():
+            for i, saved in self.inputs.items():
+                flat[i].copy_(saved)
+            for n, saved in self.attrs.items():
+                state[n].copy_(saved)
+
+
+def _keep(store: dict[int, torch.Tensor], j: int, grad: torch.Tensor) -> None:
+    store[j] = grad
+
+
+def _backward_node(outs: list) -> Any:
+    """AOT Autograd's backward node of a compiled call, from its outputs' autograd history (an
+    output may be a view AOT Autograd regenerated: its node leads there)."""
+    seen, todo = set(), [o.grad_fn for o in outs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    for _ in range(64):
+        if not todo:
+            return None
+        node = todo.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ == "CompiledFunctionBackward":
+            return node
+        todo += [n for n, _ in node.next_functions if n is not None][:4]
+    return None
+
+
+def _gradient_targets(node: Any, flat: list, state: dict[str, torch.Tensor]) -> list[tuple[int, Any]]:
+    """(position among the backward node's gradients, ``("input", i)`` or ``("attr", name)``) for
+    each tensor of the unit that position's gradient goes to."""
+    leaves = {id(x): ("input", i) for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.grad_fn is None}
+    leaves.update({id(t): ("attr", n) for n, t in state.items() if id(t) not in leaves})
+    inner = {(id(x.grad_fn), x.output_nr): ("input", i) for i, x in enumerate(flat)
+             if isinstance(x, torch.Tensor) and x.grad_fn is not None}
+    found = []
+    for k, (fn, nr) in enumerate(node.next_functions):
+        if fn is None:
+            continue
+        variable = getattr(fn, "variable", None)
+        key = leaves.get(id(variable)) if variable is not None else inner.get((id(fn), nr))
+        if key is not None:
+            found.append((k, key))
+    return found
+
+
 class DynamoReference:
     """Wraps one unit's compiled callable, called as Dynamo calls it (boxed or not: calls.flat_args)."""
 
-    def __init__(self, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str) -> None:
+    def __init__(self, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str,
+                 metadata: Any = None) -> None:
         self.compiled, self.gm, self.opts, self.unit = compiled, gm, opts, unit
         self.calls = 0
-        self.written: list[int] | None = None  # inputs the Dynamo graph writes into (its first check)
+        self.state = _module_state(gm)
+        self.writes = Writes.of(gm, self.state, metadata)  # what the unit writes (AOT Autograd's metadata)
         self.on = True  # off for a unit that draws random numbers or whose reference cannot run
         self.eager = False  # after a fault: the unit runs the Dynamo graph
         self.low_precision = _low_precision(gm)
@@ -97,11 +200,13 @@ class DynamoReference:
         self.due = 1
 
     @classmethod
-    def wrap(cls, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str) -> Callable[..., Any]:
+    def wrap(cls, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str,
+             metadata: Any = None) -> Callable[..., Any]:
         """``compiled`` behind this check where the guard compares values at all (not under
-        torch.distributed, where ranks must run the same graphs: asked on each sampled call)."""
+        torch.distributed, where ranks must run the same graphs: asked on each sampled call).
+        ``metadata``: AOT Autograd's view-and-mutation metadata of the unit (what it writes)."""
         checks = opts.guard.checks_outputs and (opts.guard_values > 0 or opts.guard.checks_every_value)
-        return cls(compiled, gm, opts, unit) if checks else compiled
+        return cls(compiled, gm, opts, unit, metadata) if checks else compiled
 
     def _sampled(self) -> bool:
         n, every = self.calls, self.values_every
@@ -147,75 +252,103 @@ class DynamoReference:
         report().count("guard.dynamo_reference_off")
         log.info("enn: unit %s: no Dynamo-graph reference from now on: %s", self.unit, why)
 
-    def _run(self, gm: fx.GraphModule, flat: list, before: dict[int, torch.Tensor],
-             fp64: bool = False) -> tuple[list, BaseException | None]:
-        """``gm`` on the call's inputs as they were before it (copies of those it writes), without
-        autograd; its outputs followed by what it wrote."""
-        def arg(i: int, x: Any) -> Any:
-            x = before[i].clone() if i in before else x
-            return x.detach().double() if fp64 and isinstance(x, torch.Tensor) and x.is_floating_point() else x
-
-        inputs = [arg(i, x) for i, x in enumerate(flat)]
+    def _run(self, flat: list, before: Before, fp64: bool = False) -> tuple[list, BaseException | None]:
+        """The Dynamo graph, without autograd, on the call's inputs as they were before it (fresh
+        copies of ``before`` for what the unit writes); its outputs followed by what it wrote."""
+        inputs, params = self._inputs(flat, before, fp64)
         try:
             with torch.no_grad():
-                out = list(outputs(gm(*inputs)))
+                out = list(outputs(self._call(fp64_dynamo_graph(self.gm) if fp64 else self.gm, inputs, params)))
         except Exception as exc:  # noqa: BLE001 - a reference that cannot run judges nothing
             return [], exc
-        return out + [inputs[i] for i in self.written or []], None
+        return out + [inputs[i] for i in before.inputs] + [params[n] for n in before.attrs], None
+
+    def _inputs(self, flat: list, before: Before, fp64: bool = False,
+                grad: bool = False) -> tuple[list, dict[str, torch.Tensor]]:
+        """Inputs and module attributes for one run of the Dynamo graph: copies of ``before`` for
+        what the unit writes, the caller's tensors for the rest (detached, in fp64 with ``fp64``;
+        with ``grad``, leaves that require grad where the caller's did)."""
+        def prepare(x: Any, saved: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            t = (saved.clone() if saved is not None else x).detach()
+            if fp64 and t.is_floating_point():
+                t = t.double()
+            return t.requires_grad_(x.requires_grad) if grad and t.is_floating_point() else t
+
+        inputs = [prepare(x, before.inputs.get(i)) for i, x in enumerate(flat)]
+        names = self.state if (fp64 or grad) else before.attrs
+        params = {n: prepare(self.state[n], before.attrs.get(n)) for n in names}
+        return inputs, params
+
+    @staticmethod
+    def _call(gm: fx.GraphModule, inputs: list, params: dict[str, torch.Tensor]) -> Any:
+        """``gm`` on ``inputs``, its module attributes named in ``params`` replaced by those."""
+        if not params:
+            return gm(*inputs)
+        return torch.func.functional_call(gm, params, tuple(inputs), strict=False)
 
     def _check(self, args: tuple, flat: list) -> Any:
         rng = RngSnapshot()
-        if self.written is None:
-            try:
-                self.written = compat.inputs_written(self.gm, flat)
-            except Exception as exc:  # noqa: BLE001
-                self._off(f"its Dynamo graph does not run on fake tensors ({type(exc).__name__}: {exc})")
-                return self.compiled(*args)
-            finally:
-                rng.restore()
-        with torch.no_grad():
-            before = {i: flat[i].clone() for i in self.written}
+        if self.writes.inputs is None:
+            report().count("guard.dynamo_reference_copies_all")
+        try:
+            before = Before(flat, self.state, self.writes)
+        except torch.OutOfMemoryError:
+            self._off("no memory for copies of what the unit writes")
+            return self.compiled(*args)
         out = self.compiled(*args)
         if rng.moved():
             self._off("it draws random numbers, which differ from eager's by design")
             return out
-        ref, exc = self._run(self.gm, flat, before)
-        rng.restore()
-        got = list(outputs(out)) + [flat[i] for i in self.written]
+        ref, exc = self._run(flat, before)
+        got = self._results(out, flat, before)
         if exc is not None or len(ref) != len(got):
             self._off(f"its Dynamo graph raised when run eagerly ({type(exc).__name__}: {exc})" if exc is not None
                       else f"it returns {len(got)} results, its Dynamo graph {len(ref)}")
             return out
+        off, wrong = self._judge(got, ref, lambda: self._run(flat, before, fp64=True))
+        if wrong:
+            return self._fault(flat, before, off, len(outputs(out)))
+        self._watch_backward(flat, before, out)
+        return out
+
+    def _results(self, out: Any, flat: list, before: Before) -> list:
+        """What the compiled call produced: its outputs, then what it wrote, as it left them."""
+        return list(outputs(out)) + [flat[i] for i in before.inputs] + [self.state[n] for n in before.attrs]
+
+    def _judge(self, got: list, ref: list, fp64: Callable[[], tuple[list, BaseException | None]]) -> tuple[list[int], bool]:
+        """The results off the reference's, and whether the compiled ones are wrong (an fp64 run,
+        made only for a disagreement, sides with the reference)."""
         # enn's precision passes may return a float result wider than the model's (fp32_tail's fp32
         # logits): dtypes are the eager copy's to judge (the guard's value check); this reference
         # judges values, in the compiled result's dtype
         ref = [r.to(g.dtype) if _floats(g, r) and g.dtype != r.dtype else r for g, r in zip(got, ref)]
         with torch.no_grad():
             off = diverging(got, ref, self.low_precision)
-            wrong = bool(off) and self._compiled_is_wrong(flat, before, got, ref, off)
+            if not off:
+                return off, False
+            ref64, exc = fp64()
+            if exc is not None or len(ref64) != len(ref):
+                log.info("enn: unit %s: no fp64 run of the Dynamo graph to judge a value difference (%s); nobody "
+                         "blamed", self.unit, f"{type(exc).__name__}: {exc}" if exc is not None else "other results")
+                wrong = False
+            else:
+                wrong = any(compiled_is_worse(got[i], ref[i], ref64[i], self.low_precision) for i in off)
         if not wrong:
-            if off:
-                report().count("guard.dynamo_reference_outlier")
-                log.info("enn: unit %s: results %s differ from the Dynamo graph's, which is no closer to fp64: kept",
-                         self.unit, off)
-            return out
-        return self._fault(flat, before, got, off)
+            report().count("guard.dynamo_reference_outlier")
+            log.info("enn: unit %s: results %s differ from the Dynamo graph's, which is no closer to fp64: kept",
+                     self.unit, off)
+        return off, wrong
 
-    def _compiled_is_wrong(self, flat: list, before: dict[int, torch.Tensor], got: list, ref: list,
-                           off: list[int]) -> bool:
-        ref64, exc = self._run(fp64_dynamo_graph(self.gm), flat, before, fp64=True)
-        if exc is not None or len(ref64) != len(ref):
-            log.info("enn: unit %s: no fp64 run of the Dynamo graph to judge a value difference (%s); nobody blamed",
-                     self.unit, f"{type(exc).__name__}: {exc}" if exc is not None else "other outputs")
-            return False
-        return any(compiled_is_worse(got[i], ref[i], ref64[i], self.low_precision) for i in off)
-
-    def _fault(self, flat: list, before: dict[int, torch.Tensor], got: list, off: list[int]) -> Any:
-        n_out = len(got) - len(self.written or [])
-        where = ", ".join(f"output {i}" if i < n_out else f"input {self.written[i - n_out]} (written in place)"
-                          for i in off[:6])
-        what = (f"the compiled result and enn's eager copy (the graph AOT Autograd traced, decompositions applied) "
+    def _what(self, where: str, phase: str) -> str:
+        return (f"the compiled {phase} and enn's eager copy (the graph AOT Autograd traced, decompositions applied) "
                 f"differ from the graph Dynamo handed over ({where}), and an fp64 run sides with Dynamo's graph")
+
+    def _fault(self, flat: list, before: Before, off: list[int], n_out: int) -> Any:
+        written = [f"input {i}" for i in before.inputs] + [f"{n}" for n in before.attrs]
+        where = ", ".join(f"output {i}" if i < n_out else f"{written[i - n_out]} (written in place)" for i in off[:6])
+        what = self._what(where, "result")
         if self.opts.guard.raises:
             raise EnnGuardError(f"enn (guard=strict): unit {self.unit}: {what}. Set guard='nonfinite' to fall back "
                                 "automatically.")
@@ -224,7 +357,85 @@ class DynamoReference:
                                   reason=what, action="returned the Dynamo graph's result (gradients through its "
                                   "eager ops); the unit runs the Dynamo graph eagerly from now on")
             self.eager, self.due = True, 0
-            with torch.no_grad():
-                for i, saved in before.items():
-                    flat[i].copy_(saved)
+            before.restore(flat, self.state)  # what the compiled call wrote is undone: the Dynamo graph writes once
             return self.gm(*flat)  # with autograd, on the caller's inputs: its writes land there
+
+    # ------------------------------------------------------------------ the backward
+    def _watch_backward(self, flat: list, before: Before, out: Any) -> None:
+        """Where this call records a backward: run the Dynamo graph with autograd now, and compare
+        the gradients the compiled backward gives with its own when that backward runs."""
+        outs = list(outputs(out))
+        if not torch.is_grad_enabled() or not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
+            return
+        node = _backward_node(outs)
+        targets = _gradient_targets(node, flat, self.state) if node is not None else []
+        if not targets:
+            return
+        inputs, params = self._inputs(flat, before, grad=True)
+        try:
+            with torch.enable_grad():
+                ref_outs = list(outputs(self._call(self.gm, inputs, params)))
+        except Exception as exc:  # noqa: BLE001
+            log.info("enn: unit %s: no backward reference (its Dynamo graph raised with autograd: %s: %s)",
+                     self.unit, type(exc).__name__, exc)
+            return
+        if len(ref_outs) != len(outs):
+            return
+        cotangents: dict[int, torch.Tensor] = {}
+        for j, o in enumerate(outs):
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                o.register_hook(functools.partial(_keep, cotangents, j))
+        leaves = [inputs[key[1]] if key[0] == "input" else params[key[1]] for _, key in targets]
+
+        def compare(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
+            return self._compare_backward(grad_inputs, targets, ref_outs, leaves, cotangents,
+                                          lambda: self._fp64_gradients(flat, before, targets, cotangents))
+
+        node.register_hook(compare)
+
+    @staticmethod
+    def _gradients(outs: list, leaves: list, cotangents: dict[int, torch.Tensor]) -> list:
+        pairs = [(outs[j], g) for j, g in sorted(cotangents.items())
+                 if isinstance(outs[j], torch.Tensor) and outs[j].requires_grad]
+        grads = torch.autograd.grad([o for o, _ in pairs], leaves,
+                                    grad_outputs=[g.to(o.dtype) for o, g in pairs], allow_unused=True)
+        return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+
+    def _fp64_gradients(self, flat: list, before: Before, targets: list, cotangents: dict) -> tuple[list, Any]:
+        try:
+            inputs, params = self._inputs(flat, before, fp64=True, grad=True)
+            with torch.enable_grad():
+                outs = list(outputs(self._call(fp64_dynamo_graph(self.gm), inputs, params)))
+            leaves = [inputs[key[1]] if key[0] == "input" else params[key[1]] for _, key in targets]
+            return self._gradients(outs, leaves, cotangents), None
+        except Exception as exc:  # noqa: BLE001
+            return [], exc
+
+    def _compare_backward(self, grad_inputs: tuple, targets: list, ref_outs: list, leaves: list,
+                          cotangents: dict, fp64: Callable[[], tuple[list, Any]]) -> tuple | None:
+        if self.eager or not cotangents:
+            return None
+        report().count("guard.dynamo_backward_checks")
+        try:
+            ref = self._gradients(ref_outs, leaves, cotangents)
+        except Exception as exc:  # noqa: BLE001
+            log.info("enn: unit %s: no backward reference (%s: %s)", self.unit, type(exc).__name__, exc)
+            return None
+        got = [grad_inputs[k] if grad_inputs[k] is not None else torch.zeros_like(r) for (k, _), r in zip(targets, ref)]
+        off, wrong = self._judge(got, ref, fp64)
+        if not wrong:
+            return None
+        names = [f"input {key[1]}" if key[0] == "input" else key[1] for _, key in targets]
+        what = self._what(", ".join(f"gradient of {names[i]}" for i in off[:6]), "backward")
+        if self.opts.guard.raises:
+            raise EnnGuardError(f"enn (guard=strict): unit {self.unit}: {what}. Set guard='nonfinite' to fall back "
+                                "automatically.")
+        with LADDER:
+            report().add_fallback(FallbackKind.DYNAMO_GRAPH, node="<graph>", phase="backward", graph=self.unit,
+                                  reason=what, action="returned the Dynamo graph's gradients (its eager ops' "
+                                  "backward); the unit runs the Dynamo graph eagerly from now on")
+            self.eager, self.due = True, 0
+        fixed = list(grad_inputs)
+        for (k, _), r, g in zip(targets, ref, got):
+            fixed[k] = r.to(g.dtype)
+        return tuple(fixed)

@@ -359,6 +359,15 @@ def output_nodes(gm: fx.GraphModule) -> list[Any]:
     return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
 
 
+def result_nodes(gm: fx.GraphModule) -> list[Any]:
+    """A graph's results as the guard compares them: its outputs, then for each input it writes
+    (in :func:`mutated_input_indices` order) the node that writes it."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    writers = [next(u for u in placeholders[i].users if _writes(u, placeholders[i]))
+               for i in mutated_input_indices(gm)]
+    return output_nodes(gm) + writers
+
+
 def node_op_name(n: fx.Node) -> str:
     names = target_names(n.target)
     return names[1] if names else str(n.target)

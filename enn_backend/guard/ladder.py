@@ -12,6 +12,7 @@ its decision (:mod:`.ranks`).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ import torch
 from .. import blame
 from ..report import FallbackKind, report
 from . import graph_edit as E
-from .calls import LADDER, Call, EnnGuardError, RngSnapshot, no_autocast
+from .calls import LADDER, Call, EnnGuardError, Run, no_autocast
 from .kernel_entry import graph_key, node_key
 from .localize import CONFIRM_RUNS, Localization, localize, suspects_from_traceback
 from .screen import allowance, compiled_is_worse, divergent, diverging, nonfinite_inputs, nonfinite_outputs, outputs
@@ -37,75 +38,69 @@ class FaultLadder:
     ``reported``, ``generation``, ``since_build``, ``first_call_values``.
     """
 
-    def _restore(self, call: Call) -> None:
-        if call.snapshot is not None:
-            for i, saved in zip(self.written, call.snapshot):
-                call.inputs[i].copy_(saved)
-        if call.rng is not None:
-            call.rng.restore()
-
-    def _reference(self, call: Call) -> tuple[Any, BaseException | None]:
-        """Run the eager reference on this call's inputs (restored first). What it writes into
-        inputs and leaves in the RNG is kept on ``call``, so the ladder can leave them as
-        the reference left them after its trials ran (see _settle)."""
-        self._restore(call)
-        ref, exc = self._run_eager(self.compiler.runs_eagerly(self.compiler.safe_gm()), call.inputs)
-        if exc is None:
-            call.after = ([call.inputs[i].clone() for i in self.written],
-                          RngSnapshot() if call.rng is not None else None)
-        return ref, exc
-
-    def _settle(self, call: Call) -> None:
-        """Inputs and RNG as the reference run left them (trials ran after it)."""
-        if call.after is None:
-            return
-        written, rng = call.after
-        for i, t in zip(self.written, written):
-            call.inputs[i].copy_(t)
-        if rng is not None:
-            rng.restore()
-
-    def _run_eager(self, gm: torch.fx.GraphModule, inputs: list) -> tuple[Any, BaseException | None]:
+    def _rerun(self, run: Callable[..., Any], call: Call, eager: bool) -> Run:
+        """``run`` on the call's :meth:`~.calls.Call.rerun_inputs`, replaying its random draws:
+        an eager graph (``eager``: no autocast, no autograd; any error it raises is returned) or a
+        compiled artifact (boxed; an out-of-memory error is raised, not returned)."""
+        inputs = call.rerun_inputs()
         try:
-            with no_autocast(), torch.no_grad():
-                out = gm(*inputs)
-            return list(out) if isinstance(out, (list, tuple)) else [out], None
+            with call.replaying():
+                if eager:
+                    with no_autocast(), torch.no_grad():
+                        out = run(*inputs)
+                else:
+                    out = run(list(inputs))
+        except torch.OutOfMemoryError:
+            if not eager:
+                raise
+            return Run(None, inputs, self.compiler.mutated, sys.exc_info()[1])
         except Exception as exc:  # noqa: BLE001
-            return None, exc
+            return Run(None, inputs, self.compiler.mutated, exc)
+        return Run(list(outputs(out)), inputs, self.compiler.mutated, None)
+
+    def _reference(self, call: Call) -> Run:
+        """The eager reference (enn's eager copy of the graph) re-run on this call."""
+        return self._rerun(self.compiler.runs_eagerly(self.compiler.safe_gm()), call, eager=True)
+
+    def _results(self, out: Any, call: Call) -> list:
+        """What the compiled call produced: its outputs, then the inputs it wrote, as it left them."""
+        return list(outputs(out)) + [call.inputs[i] for i in self.compiler.mutated]
+
+    def _returning(self, run: Run, call: Call) -> list:
+        """The call returns ``run``'s result: its writes go into the caller's inputs (once)."""
+        call.commit(run.inputs, self.compiler.mutated)
+        return run.outputs
 
     def _check_values(self, out: Any, call: Call) -> Any:
         """Compare this call's results -- outputs and writes into inputs -- with the reference's."""
         rec = self.record
         rec.counters["value_checks"] = rec.counters.get("value_checks", 0) + 1
-        mutated = self.compiler.mutated
-        written = [call.inputs[i].clone() for i in mutated]  # what the compiled call wrote
         self._full_compiler("a value check")
-        ref, ref_exc = self._reference(call)
-        if ref_exc is not None:
+        ref = self._reference(call)
+        if ref.exc is not None:
             log.warning("enn: graph %s: the value check's eager run raised (%s: %s); compiled result kept",
-                        rec.id, type(ref_exc).__name__, ref_exc)
+                        rec.id, type(ref.exc).__name__, ref.exc)
             return out
-        flat = outputs(out)
-        ref_written = [call.inputs[i].clone() for i in mutated]
-        off = self._values_off(list(flat) + written, ref + ref_written)
+        got = self._results(out, call)
+        off = self._values_off(got, ref.results)
         if not off:
-            for i, t in zip(mutated, written):  # the inputs keep what the compiled call wrote
-                call.inputs[i].copy_(t)
             return out
         with LADDER:
-            if not self._compiled_is_wrong(call, list(flat) + written, ref + ref_written, off):
+            if not self._compiled_is_wrong(call, got, ref.results, off):
                 # the reference is the outlier (compiled is as close to fp64): nobody is blamed
                 rec.counters["value_reference_outlier"] = rec.counters.get("value_reference_outlier", 0) + 1
                 log.info("enn: graph %s: compiled results %s differ from eager's, but no further from fp64: kept",
                          rec.id, off)
-                for i, t in zip(mutated, written):
-                    call.inputs[i].copy_(t)
                 return out
             self._count_fault()
-            n_out = len(flat)
-            where = [f"output {i}" if i < n_out else f"input {mutated[i - n_out]} (written in place)" for i in off]
-            what = f"values differ from eager's beyond their dtype's tolerance, none for integers ({', '.join(where[:6])})"
-            return self._kernel_fault("value", what, call, None, ref, [i for i in off if i < n_out] or off)
+            what = f"values differ from eager's beyond their dtype's tolerance, none for integers ({self._where(off, ref)})"
+            return self._kernel_fault("value", what, call, None, ref, off)
+
+    def _where(self, idx: list[int], ref: Run) -> str:
+        """Results by name: an output, or an input the graph writes."""
+        mutated = self.compiler.mutated
+        return ", ".join(f"output {i}" if i < ref.n_out else f"input {mutated[i - ref.n_out]} (written in place)"
+                         for i in idx[:6])
 
     def _values_off(self, got: list, ref: list) -> list[int]:
         """Indices of the results off the reference's at their dtype's tolerance (a kernel's saved
@@ -130,18 +125,19 @@ class FaultLadder:
                    for i in off if i < len(ref64))
 
     def _fp64_reference(self, call: Call) -> list | None:
-        """The fp64 run of the graph on this call's inputs (restored first): its outputs, then
-        what it wrote into inputs (rounded to their dtype); None where the graph has no fp64 run."""
-        self._restore(call)
+        """The fp64 run of the graph on this call: its results (outputs, then what it wrote into
+        inputs, in their dtype); None where the graph has no fp64 run."""
         try:
-            ref64, exc64 = self._run_eager(self.compiler.fp64_gm(), call.inputs)
+            gm = self.compiler.fp64_gm()
         except Exception as exc:  # noqa: BLE001 - building the fp64 graph failed
-            ref64, exc64 = None, exc
-        if exc64 is not None:
+            run = Run(None, [], [], exc)
+        else:
+            run = self._rerun(gm, call, eager=True)
+        if run.exc is not None:
             log.info("enn: graph %s: no fp64 run to judge a value difference (%s: %s); nobody blamed",
-                     self.record.id, type(exc64).__name__, exc64)
+                     self.record.id, type(run.exc).__name__, run.exc)
             return None
-        return ref64 + [call.inputs[i].clone() for i in self.compiler.mutated]
+        return run.results
 
     def _on_fault(self, kind: str, call: Call, exc: BaseException | None = None, bad: list | None = None,
                   out: Any = None) -> Any:
@@ -150,19 +146,22 @@ class FaultLadder:
         if exc is not None:
             what = f"{type(exc).__name__}: {exc}"
         else:
-            what = "NaN/Inf in compiled output"
+            n_out = len(outputs(out))
+            where = ", ".join(f"output {i}" if i < n_out else f"input {self.compiler.mutated[i - n_out]} (written in place)"
+                              for i in bad[:6])
+            what = f"NaN/Inf in compiled results ({where})"
         self._full_compiler(what)
-        ref, ref_exc = self._reference(call)
+        ref = self._reference(call)
         rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
-        if ref_exc is not None:
+        if ref.exc is not None:
             self._count_fault()
             R.add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=phase, graph=rec,
-                           reason=f"{what}; the eager graph raises too ({type(ref_exc).__name__}: {ref_exc})",
+                           reason=f"{what}; the eager graph raises too ({type(ref.exc).__name__}: {ref.exc})",
                            action="raised the model's own error")
-            raise ref_exc
-        # Outputs whose NaN/Inf the reference makes at the same places, with the same finite
+            raise ref.exc
+        # Results whose NaN/Inf the reference makes at the same places, with the same finite
         # values elsewhere, are the model's own values; any other is the compiled code's fault.
-        pattern, values = divergent(outputs(out), ref, [i for i in bad if i >= 0]) if exc is None else ([], [])
+        pattern, values = divergent(self._results(out, call), ref.results, bad) if exc is None else ([], [])
         if kind == "exception" or pattern:
             self._count_fault()
             return self._kernel_fault(kind, what, call, exc, ref, pattern or bad)
@@ -193,7 +192,7 @@ class FaultLadder:
         self.first_call_values = True
         self.__dict__.pop("_fx_graph_cache_key", None)
 
-    def _kernel_fault(self, kind: str, what: str, call: Call, exc: BaseException | None, ref: list,
+    def _kernel_fault(self, kind: str, what: str, call: Call, exc: BaseException | None, ref: Run,
                       bad: list) -> Any:
         rec, phase, R = self.record, self.record.phase, report()
         t0 = time.perf_counter()
@@ -211,31 +210,27 @@ class FaultLadder:
             # that is no fault. A graph that draws random numbers differs from eager by design:
             # there only NaN/Inf that eager does not make counts.
             if self.random:
-                return kind != "exception" and bool(divergent(got, ref, nonfinite_outputs(got))[0])
-            off = self._values_off(got, ref)
+                return kind != "exception" and bool(divergent(got, ref.results, nonfinite_outputs(got))[0])
+            off = self._values_off(got, ref.results)
             if not off:
                 return False
             if not judge64:
                 judge64.append(self._fp64_reference(call))
             if judge64[0] is None:
                 return True  # no fp64 run to say the difference is rounding: only eager's values are known right
-            return self._compiled_is_wrong(call, got, ref, off, judge64[0])
+            return self._compiled_is_wrong(call, got, ref.results, off, judge64[0])
 
         def still_faulty(pins: frozenset[str]) -> bool:
             # a pin set found fault-free before re-runs its kept artifact (localize confirms)
             compiled = trial_cache.pop(pins, None) or self.compiler.build(extra_pins=pins, quiet=True)
-            self._restore(call)
-            try:
-                out = compiled(list(call.inputs))
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a trial that raises is faulty; say why once
+            run = self._rerun(compiled, call, eager=False)
+            if run.exc is not None:  # a trial that raises is faulty; say why once
                 if not raised:
-                    raised.append(exc)
+                    raised.append(run.exc)
                     log.info("enn: graph %s: a localization trial with %d pin(s) raised (%s: %s); counted as faulty",
-                             rec.id, len(pins), type(exc).__name__, exc)
+                             rec.id, len(pins), type(run.exc).__name__, run.exc)
                 return True
-            faulty = trial_is_wrong(list(outputs(out))[:len(ref)])
+            faulty = trial_is_wrong(run.outputs[:ref.n_out] + run.results[run.n_out:])
             if not faulty:
                 trial_cache[pins] = compiled
             return faulty
@@ -304,11 +299,10 @@ class FaultLadder:
                        sites=sites)
         self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
         self._adopt(new)
-        self._settle(call)
+        result = self._returning(ref, call)
         if localized:
-            mutated = None if call.snapshot is None else [call.snapshot[self.written.index(i)] for i in self.compiler.mutated]
-            self.compiler.write_repro(kind=kind, what=what, inputs=call.inputs, snapshot=mutated, nodes=nodes)
-        return ref
+            self.compiler.write_repro(kind=kind, what=what, inputs=call.inputs_before(), snapshot=None, nodes=nodes)
+        return result
 
     def _leave_cudagraphs(self) -> str:
         """What the guard builds for this graph from now on runs without CUDA graphs (see
@@ -332,7 +326,7 @@ class FaultLadder:
         if exc is not None:
             first, why = suspects_from_traceback(exc, gm), "that the raising kernel computes"
         elif bad:
-            outs = E.output_nodes(gm)
+            outs = E.result_nodes(gm)
             bad_cone = E.ancestors(gm, [outs[i] for i in bad if i < len(outs)])
             good_cone = E.ancestors(gm, [o for i, o in enumerate(outs) if i not in bad])
             cands = [n for n in cands if n.name in bad_cone] or cands
@@ -344,7 +338,7 @@ class FaultLadder:
         ordered = sorted(groups.items(), key=lambda kv: not kv[0].startswith("enn."))
         return [g for _, g in ordered], first, why
 
-    def _reference_nonfinite(self, what: str, call: Call, out: Any, ref: list, bad: list,
+    def _reference_nonfinite(self, what: str, call: Call, out: Any, ref: Run, bad: list,
                              values: list[int]) -> Any:
         """The reference makes the compiled call's NaN/Inf too, at the same places."""
         rec, phase, R = self.record, self.record.phase, report()
@@ -361,10 +355,10 @@ class FaultLadder:
         if values:
             # Same NaN/Inf places, other finite values: the reference is the result eager gives.
             self._report_once(FallbackKind.MODEL_NONFINITE, reason=(
-                f"NaN/Inf in outputs {values} at the same places in compiled and eager code, but the other values "
+                f"NaN/Inf in results {values} at the same places in compiled and eager code, but the other values "
                 "differ beyond the tolerance of their dtype"), action="returned eager's result (repeats counted, not re-logged)")
-            return ref
-        stale = nonfinite_inputs(call.inputs) if self.inputs_are_primals else []
+            return self._returning(ref, call)
+        stale = nonfinite_inputs(call.inputs_before()) if self.inputs_are_primals else []
         if stale:
             # Not this graph's numerics: what it was given already held NaN/Inf.
             self._report_once(FallbackKind.NONFINITE_INPUTS, reason=(
@@ -377,7 +371,7 @@ class FaultLadder:
         # saved) and learn which infinities each output may hold on later calls. A NaN is never
         # learned: every check meets it again.
         for i in bad:
-            learned = allowance(ref[i])
+            learned = allowance(ref.results[i])
             if learned is not None:
                 self.allowed[i] = learned
         log.debug("enn: graph %s: outputs %s hold NaN/Inf that eager makes too (the model's own values); compiled "
@@ -388,9 +382,8 @@ class FaultLadder:
         """Low precision overflowed in eager too: the fp32 graph's result if it is finite there
         (and the graph is pinned to fp32 from now on), else None."""
         rec, phase, R = self.record, self.record.phase, report()
-        self._restore(call)
-        out32, exc32 = self._run_eager(self.compiler.runs_eagerly(self.compiler.fp32_gm()), call.inputs)
-        if exc32 is not None or set(nonfinite_outputs(out32)) & set(bad):
+        run = self._rerun(self.compiler.runs_eagerly(self.compiler.fp32_gm()), call, eager=True)
+        if run.exc is not None or set(nonfinite_outputs(run.results)) & set(bad):
             return None
         if self.mode.raises:
             raise EnnGuardError(
@@ -406,7 +399,7 @@ class FaultLadder:
                        reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
                        action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run" + no_cudagraphs)
         rec.promotions.append({"node": "<graph>", "reason": "master-dtype retry: low precision overflowed"})
-        return out32
+        return self._returning(run, call)
 
     def _report_once(self, kind: FallbackKind, reason: str, action: str) -> None:
         if kind in self.reported:

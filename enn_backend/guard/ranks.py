@@ -294,10 +294,10 @@ class RankFollower:
             self._adopt(new)
             report().add_fallback(FallbackKind(d["kind"]), node=d["node"], phase=rec.phase, graph=rec,
                                   reason=f"rank {leader}: {d['reason']}", action=action)
-        if exc is None and not nonfinite_outputs(out, self.allowed):
+        if exc is None and not nonfinite_outputs(self._results(out, call), self.allowed):
             return out  # this rank's own result is right
         # this rank faulted too: its answer is its eager reference
-        ref, ref_exc = self._reference(call)
-        if ref_exc is not None:
-            raise ref_exc
-        return ref
+        ref = self._reference(call)
+        if ref.exc is not None:
+            raise ref.exc
+        return self._returning(ref, call)

@@ -2,8 +2,9 @@
 
 AOT Autograd calls it with a boxed list of inputs (forward: primals; backward:
 saved tensors + tangents), and it returns the graph's outputs. On the fast path it
-adds one NaN/Inf screen of the outputs (one host sync) and, for graphs that write
-into their inputs, a copy of those inputs so a re-run never applies a mutation twice.
+adds one NaN/Inf screen of the outputs and of what it wrote into its inputs (one host sync) and,
+for graphs that write into their inputs, a copy of those inputs so that no re-run writes into
+the caller's tensors (:class:`.calls.Call`).
 A call that faults goes down the fallback ladder (:mod:`.ladder`, GuardedGraph's base class).
 Under torch.distributed the calls it can re-run are agreed on by every rank (:mod:`.ranks`).
 """
@@ -17,10 +18,10 @@ import torch
 
 from .. import compat
 from ..report import FallbackKind, GraphRecord, report
-from .calls import LADDER, Call, RngSnapshot, distributed
+from .calls import LADDER, Call, distributed
 from .ladder import FaultLadder
 from .ranks import RankFollower, gather_levels
-from .screen import LateScreen, nonfinite_outputs, single_cuda_device
+from .screen import LateScreen, nonfinite_outputs, outputs, single_cuda_device
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,7 @@ class GuardedGraph(RankFollower, FaultLadder):
         generation = self.generation
         if later or not (check or self.keep_inputs):
             out, exc = None, None
+            written = [args[i] for i in self.compiler.mutated] if later else []  # screened with the outputs
             try:
                 out = self.compiled(args)
             except torch.OutOfMemoryError:
@@ -141,7 +143,7 @@ class GuardedGraph(RankFollower, FaultLadder):
                 exc = e
             if exc is None:
                 if later:
-                    self._screen_later(out)
+                    self._screen_later(list(outputs(out)) + written if written else out)
                 return out
             self.due = 0
             return self._after(out, exc, Call(None, None, None, generation), False)
@@ -150,10 +152,8 @@ class GuardedGraph(RankFollower, FaultLadder):
         # Keep our own references to the inputs on the calls the ladder may need them
         # (checked calls; every call in "exceptions" mode, which schedules no checks), and a
         # copy of those the compiled code may write into, so a re-run starts from what this
-        # call was given.
-        call = Call(list(args),  # the compiled code may clear `args` to free memory early
-                     [args[i].clone() for i in self.written] if self.written else None,
-                     RngSnapshot() if self.random else None, generation)
+        # call was given (calls.Call: re-runs never write into the caller's tensors).
+        call = Call.held(args, self.written, self.random, generation)  # the compiled code may clear `args`
         out, exc = None, None
         try:
             out = self.compiled(args)
@@ -167,7 +167,8 @@ class GuardedGraph(RankFollower, FaultLadder):
 
     def _after(self, out: Any, exc: BaseException | None, call: Call, check: bool, values: bool = False) -> Any:
         """The rest of a call that raised, is checked, or (holding its inputs) runs under torch.distributed."""
-        bad = nonfinite_outputs(out, self.allowed) if (exc is None and check) else []
+        # the screen covers the inputs the graph writes (parameters, buffers, optimizer state) too
+        bad = nonfinite_outputs(self._results(out, call), self.allowed) if (exc is None and check) else []
         if values and exc is None and not bad and not distributed():
             return self._check_values(out, call)
         if exc is None and check and self.screen_later is None:  # decided once: a graph's outputs stay where they are
@@ -205,14 +206,10 @@ class GuardedGraph(RankFollower, FaultLadder):
 
     def _retry(self, call: Call, check: bool) -> Any:
         """This call again on the current fast path; None if it faults there too."""
-        self._restore(call)
-        try:
-            out = self.compiled(list(call.inputs))
-        except torch.OutOfMemoryError:
-            raise
-        except Exception:  # noqa: BLE001
+        run = self._rerun(self.compiled, call, eager=False)
+        if run.exc is not None or (check and nonfinite_outputs(run.results, self.allowed)):
             return None
-        return None if (check and nonfinite_outputs(out, self.allowed)) else out
+        return self._returning(run, call)
 
     def _screen_later(self, out: Any) -> None:
         self.counters["checks"] = self.counters.get("checks", 0) + 1

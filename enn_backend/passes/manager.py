@@ -189,7 +189,11 @@ class PassManager(compat.CustomGraphPass):
 
     def uuid(self) -> Any:
         h = hashlib.sha256()
-        h.update(f"{self.stage}|{self.opts.codegen_hash()}".encode())
+        # A guarded compile gives a backward no donated buffers (compat.saved_tensors_kept): its
+        # code never writes into its inputs, which the guard's re-runs read. The artifacts of the
+        # two kinds of compile must not be served for each other from Inductor's caches.
+        donates = not self.opts.guard.guarded
+        h.update(f"{self.stage}|{self.opts.codegen_hash()}|donates={donates}".encode())
         for p in self.passes:
             h.update(f"|{p.name}:{p.uuid()}".encode())
         h.update(sources_hash("enn_backend.lowerings").encode())  # the lowerings of the ops passes emit
