@@ -3,14 +3,15 @@ its parser, below :mod:`enn_backend.options` (which validates the option with it
 guard (which plants the specs: :mod:`enn_backend.guard.faults`). Plain Python: importing it
 imports no torch.
 
-Grammar: ``<op>:<kind>[@<n>][:<phase>][,<op>:<kind>[@<n>][:<phase>]...]``
+Grammar: ``<op>:<kind>[@<n>[+]][:<phase>][,<op>:<kind>[@<n>][:<phase>]...]``
 
 - ``<op>``: an op packet or overload as printed by torch, e.g. ``aten.mm``,
   ``aten.addmm.default``, ``aten._softmax``, or an enn op such as ``enn.attention``.
 - ``<kind>``: ``raise`` | ``nan`` | ``inf`` | ``scale<f>`` (the output times ``f``, e.g.
   ``scale1.01``: finite but wrong values, which only the guard's value check sees). ``@<n>`` (an integer, at least 2) makes the
   fault intermittent, a flaky kernel: it strikes on every n-th call of each planted node
-  (calls n, 2n, ...), and the other calls return the node's true output. Each planted node
+  (calls n, 2n, ...), and the other calls return the node's true output; ``@<n>+`` makes it
+  strike on every call from the n-th on (a kernel that breaks mid-run). Each planted node
   counts its own calls, and the count belongs to that node of the compiled unit: every
   artifact built from the graph (the guard's trial recompiles, the pinned fix) shares it,
   so a recompile does not restart it, and a new compile (a new unit) starts from zero.
@@ -39,12 +40,14 @@ class FaultSpec:
     kind: str
     phase: str = "any"
     every: int = 1  # strike on every n-th call of a planted node (1: every call)
+    onward: bool = False  # with ``every`` n: strike on every call from the n-th on (``@<n>+``), a kernel that breaks
     plan: int = field(default=0, compare=False, repr=False)  # the parse it came from (its unit)
 
     @property
     def text(self) -> str:
         """The spec as written in ``fault_inject``."""
-        return f"{self.op}:{self.kind}{f'@{self.every}' if self.every > 1 else ''}:{self.phase}"
+        at = f"@{self.every}{'+' if self.onward else ''}" if self.every > 1 else ""
+        return f"{self.op}:{self.kind}{at}:{self.phase}"
 
     def matches_target(self, target: object) -> bool:
         names = target_names(target)
@@ -65,7 +68,9 @@ class FaultSpec:
         ``<kind>@<n>#<plan>/<site>`` for an intermittent fault, whose calls are counted per site."""
         if self.phase == "compile":
             return "compile"
-        return self.kind if self.every == 1 else f"{self.kind}@{self.every}#{self.plan}/{site}"
+        if self.every == 1:
+            return self.kind
+        return f"{self.kind}@{self.every}{'+' if self.onward else ''}#{self.plan}/{site}"
 
 
 def target_names(target: object) -> tuple[str, ...]:
@@ -111,7 +116,8 @@ def parse_fault_specs(text: str) -> tuple[FaultSpec, ...]:
                                  "scale<f> (f a positive number other than 1, e.g. scale1.01)")
         if phase not in FAULT_PHASES:
             raise FaultSpecError(f"enn: fault_inject phase {phase!r} must be one of {', '.join(FAULT_PHASES)}")
-        every = 1
+        every, onward = 1, every_text.endswith("+")
+        every_text = every_text.removesuffix("+")
         if at:
             if not every_text.isdigit() or int(every_text) < 2:
                 raise FaultSpecError(f"enn: fault_inject entry {item!r}: the n of {kind}@<n> must be an integer of "
@@ -121,5 +127,5 @@ def parse_fault_specs(text: str) -> tuple[FaultSpec, ...]:
                 raise FaultSpecError(f"enn: fault_inject entry {item!r}: a compile fault strikes once, at compile "
                                      f"time; @<n> is for run-time faults (phase fwd, bwd or any)")
             every = int(every_text)
-        specs.append(FaultSpec(op, kind, phase, every, plan))
+        specs.append(FaultSpec(op, kind, phase, every, onward, plan))
     return tuple(specs)

@@ -176,7 +176,7 @@ class Options:
         default="",
         metadata=_meta(
             "ENN_FAULT_INJECT",
-            "Test facility: '<op>:<raise|nan|inf|scale<f>>[@<n>][:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code ('scale1.01': values 1% off; '@3': every 3rd call).",
+            "Test facility: '<op>:<raise|nan|inf|scale<f>>[@<n>[+]][:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code ('scale1.01': values 1% off; '@3': every 3rd call; '@5+': every call from the 5th on).",
         ),
     )
     cache_dir: str = field(

@@ -133,7 +133,7 @@ def _why_not(spec: FaultSpec, graphs: list[_Graph], opts: Any) -> str:
         overloads = []
     if not overloads:
         return f"no op {spec.op} is registered with torch (names look like aten.mm or aten.addmm.default)"
-    if any(torch._C._dispatch_has_kernel_for_dispatch_key(o.name(), "CompositeImplicitAutograd") for o in overloads):
+    if any(_composite(o) for o in overloads):
         return (f"{spec.op} is decomposed before faults are planted (it is CompositeImplicitAutograd: tracing "
                 f"replaces it by the ops it is made of); name an op of the decomposed graph: {listed}")
     if any(o in decomposition_table(opts.precision) for o in overloads):
@@ -141,6 +141,15 @@ def _why_not(spec: FaultSpec, graphs: list[_Graph], opts: Any) -> str:
                 f"Inductor, so it was likely decomposed before faults are planted; name an op of the decomposed "
                 f"graph: {listed}")
     return f"{spec.op} does not appear in this unit's graphs (their ops: {listed})"
+
+
+def _composite(overload: Any) -> bool:
+    """Is ``overload`` decomposed while the graph is traced (CompositeImplicitAutograd)? An
+    overload the dispatcher does not know (``aten.sqrt.int``, a Python-only one) is not."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(overload.name(), "CompositeImplicitAutograd")
+    except RuntimeError:
+        return False
 
 
 def parse_fault_spec(text: str) -> FaultPlan:
