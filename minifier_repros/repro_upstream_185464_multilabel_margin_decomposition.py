@@ -11,8 +11,8 @@ Covered by: value_check against the Dynamo graph (guard/dynamo_reference.py): on
 call the compiled loss and the eager copy's (both 1.96) differ from the graph Dynamo handed over,
 run eagerly (1.48), whose fp64 run sides with it: a ``dynamo_graph`` fallback, the call returns the
 Dynamo graph's loss with its gradient (eager's autograd), and the unit runs the Dynamo graph from
-then on. Gradients are not compared with the Dynamo graph's: a decomposition wrong only in its
-backward would not be caught (here the forward is wrong too, which is what the check sees).
+then on (a decomposition wrong only in its backward is caught by the same reference's gradient
+check: repro_upstream_186799_atan2_amin_backward.py).
 """
 
 import sys

@@ -22,6 +22,7 @@ BACKENDS: dict[str, dict[str, Any] | None] = {
     "eager": None,
     "inductor": {"backend": "inductor"},
     "enn": {"backend": "enn"},
+    "enn-guard-off": {"backend": "enn", "options": {"guard": "off"}},  # the guard's cost: enn / enn-guard-off
     "inductor-max-autotune": {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"},
     "enn-max-autotune": {"backend": "enn", "options": {"mode": "max-autotune-no-cudagraphs"}},
 }

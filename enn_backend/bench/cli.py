@@ -83,7 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--only", type=_csv, help="run only these models of the preset (in the preset's order)")
     p.add_argument("--modes", type=_csv, help="train,infer")
     p.add_argument("--dtypes", type=_csv, help="fp32,bf16 (bf16 = autocast over fp32 parameters)")
-    p.add_argument("--backends", type=_csv, help="eager,inductor,enn[,inductor-max-autotune,enn-max-autotune]")
+    p.add_argument("--backends", type=_csv, help="eager,inductor,enn[,enn-guard-off,inductor-max-autotune,enn-max-autotune]")
     p.add_argument("--autotune", action="store_true", help="also run inductor (and enn) with mode=max-autotune-no-cudagraphs")
     p.add_argument("--size", choices=models.SIZES, help="model size (default from the preset)")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default from the preset)")
