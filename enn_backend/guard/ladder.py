@@ -147,9 +147,9 @@ class FaultLadder:
             what = f"{type(exc).__name__}: {exc}"
         else:
             n_out = len(outputs(out))
-            where = ", ".join(f"output {i}" if i < n_out else f"input {self.compiler.mutated[i - n_out]} (written in place)"
-                              for i in bad[:6])
-            what = f"NaN/Inf in compiled results ({where})"
+            writes = [f"input {self.compiler.mutated[i - n_out]}" for i in bad if i >= n_out]
+            what = ("NaN/Inf in compiled output" if not writes
+                    else f"NaN/Inf in compiled results: written in place into {', '.join(writes[:6])}")
         self._full_compiler(what)
         ref = self._reference(call)
         rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
