@@ -54,6 +54,10 @@ def _kernel_state(opts: Options) -> str:
     path = K.state_path(opts)
     if path is None:
         return "kernel state: kept in memory, per process (persist is off, or fault_inject without cache_dir)"
+    broken = K.unreadable(path)
+    if broken:
+        return (f"kernel state: UNREADABLE {path} ({broken}): enn reads no pins from it; "
+                f"start it afresh: {K.state_command(K.KernelState(path), 'clear')}")
     state, now = K.KernelState(path), time.time()
     entries = state.entries()
     in_force = [e for e in entries if e.status(now) == "in force"]
@@ -90,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"options in effect: {changed or 'defaults'}")
         cache = opts.resolved_cache_dir()
         print(f"enn cache dir: {cache} ({'writable' if _writable(cache) else 'NOT writable: kernel state will not persist'})")
-        print(_kernel_state(opts))
+        state_line = _kernel_state(opts)
+        print(state_line)
+        ok &= "UNREADABLE" not in state_line
         repros = os.path.abspath(opts.resolved_repro_dir())
         print(f"enn repro dir: {repros} ({'writable' if _writable(repros) else 'NOT writable: no repro scripts'})")
     except OptionsError as exc:

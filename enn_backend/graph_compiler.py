@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-import shlex
 import time
 from typing import Any, Callable
 
@@ -201,10 +200,11 @@ class GraphCompiler:
             strict = self.opts.guard.raises and self.state.path is not None
             if strict:  # strict would raise at their fault: say which pins hide it and how to lift them
                 keys = sorted({node_key(self.node(n)) or n for n in pins})
-                clear = state_command(self.state, "clear")
                 reason += f" in an earlier run, so guard='strict' does not check them (kernels {', '.join(keys)})"
-                action += (f"; to check them again, clear the pin: {clear} --key {shlex.quote(keys[0])}" if len(keys) == 1
-                           else f"; to check them again, clear the pins: {clear} (or --key KEY for one of them)")
+                action += (f"; to check them again, clear the pin: {state_command(self.state, 'clear', keys[0])}"
+                           if len(keys) == 1 else
+                           f"; to check them again, clear the pins: {state_command(self.state, 'clear')} (or one of "
+                           f"them: {state_command(self.state, 'clear', keys[0])})")
             report().add_fallback(FallbackKind.PINNED_FROM_STATE, node=",".join(pins), phase=self.phase,
                                   graph=self.record, reason=reason, action=action,
                                   level=logging.WARNING if strict else logging.INFO,

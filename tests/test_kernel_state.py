@@ -343,3 +343,37 @@ def test_doctor_shows_the_pins_in_force_and_how_to_clear_them(tmp_path, monkeypa
     assert "kernel state: 2 pin(s) in force (1 kernel(s) run eagerly, 1 graph(s) in fp32)" in out
     assert "1 more expired or of another torch/enn version" in out
     assert f"clear them: python -m enn_backend state clear --cache-dir {tmp_path}" in out
+
+
+def test_doctor_finds_an_unreadable_state_file_and_says_how_to_start_afresh(tmp_path, monkeypatch, capsys):
+    from enn_backend import doctor
+
+    monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path))
+    (tmp_path / K.FILE_NAME).write_text("garbage{")
+    assert doctor.main([]) == 1
+    out = capsys.readouterr().out
+    assert "kernel state: UNREADABLE" in out and "status: PROBLEMS FOUND" in out
+    command = shlex.split(out.split("start it afresh: ")[1].splitlines()[0])
+    assert cli.main(command[3:]) == 0
+    assert doctor.main([]) == 0
+
+
+def test_the_state_of_a_run_with_injected_faults_is_listed_and_its_hints_run_as_printed(tmp_path, capsys):
+    """A run with fault_inject keeps its pins in a state file of its own: `state list` on the folder
+    names it, and every command enn prints for it -- list, clear, clear one key -- works when pasted."""
+    _write_state(tmp_path, [])
+    path = K.state_path(Options(fault_inject="aten.addmm:nan", cache_dir=str(tmp_path)))
+    with open(path, "w") as f:
+        json.dump({"format": K.FORMAT, "version": K.VERSION, "entries": [_entry(KEY), _entry(KEY2)]}, f)
+    state = K.KernelState(path)
+    assert cli.main(["state", "list", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no kernel state in" in out and f"also 2 entries of a run with injected faults (fault_inject) in {path}" in out
+    listing = shlex.split(out.split(f"{path}: ")[1].splitlines()[0])
+    assert listing == shlex.split(K.state_command(state, "list"))
+    assert cli.main(listing[3:]) == 0 and KEY in capsys.readouterr().out
+    one = shlex.split(K.state_command(state, "clear", KEY))
+    assert one[-2:] == ["--key", KEY] and cli.main(one[3:]) == 0
+    assert [e.key for e in K.KernelState(path).entries()] == [KEY2]
+    assert cli.main(shlex.split(K.state_command(state, "clear"))[3:]) == 0
+    assert K.KernelState(path).entries() == []

@@ -96,13 +96,22 @@ def state_main(argv: list[str]) -> int:
                     f"({K.MAX_AGE_DAYS} days after its last fault) or is cleared.")
     sub = p.add_subparsers(dest="command", required=True, metavar="{list,clear}")
     where = argparse.ArgumentParser(add_help=False)
-    where.add_argument("--cache-dir", metavar="DIR",
+    place = where.add_mutually_exclusive_group()
+    place.add_argument("--cache-dir", metavar="DIR",
                        help=f"the folder holding {K.FILE_NAME} (default: ENN_CACHE_DIR, else ~/.cache/enn)")
+    place.add_argument("--file", metavar="PATH",
+                       help="a state file of its own (a run with injected faults keeps its pins in one, beside "
+                            f"{K.FILE_NAME}: `list` names them)")
     ls = sub.add_parser("list", parents=[where], help="list the entries (key, action, fails, age, status, reason, torch, machine)")
     ls.add_argument("--json", action="store_true", help="print the entries as JSON")
     cl = sub.add_parser("clear", parents=[where], help="remove every entry, or those whose key contains --key")
     cl.add_argument("--key", metavar="TEXT", help="remove only the entries whose key contains TEXT")
     args = p.parse_args(argv)
+    if args.file:
+        if os.path.isdir(args.file):
+            print(f"enn state: {args.file} is a folder (--cache-dir names a folder, --file a state file)", file=sys.stderr)
+            return 2
+        return _state_command(args, K.KernelState(os.path.abspath(args.file)), others=[])
     folder = args.cache_dir
     if not folder:
         try:
@@ -114,6 +123,12 @@ def state_main(argv: list[str]) -> int:
         print(f"enn state: {folder} is not a folder", file=sys.stderr)
         return 2
     state = K.KernelState(os.path.join(folder, K.FILE_NAME))
+    return _state_command(args, state, others=K.other_state_files(folder))
+
+
+def _state_command(args: argparse.Namespace, state: K.KernelState, others: list[str]) -> int:
+    """``state list`` / ``state clear`` on ``state``'s file; ``others``: the folder's other state
+    files (of runs with injected faults), named by ``list``."""
     now = time.time()
 
     if args.command == "clear":
@@ -144,8 +159,11 @@ def state_main(argv: list[str]) -> int:
                           "entries": [{**asdict(e), "age_s": round(now - e.last_time, 1), "status": e.status(now)}
                                       for e in entries]}, indent=2))
         return 0
+    also = [(path, len(K.KernelState(path).entries())) for path in others]
+    also = [(path, n) for path, n in also if n]
     if not entries:
         print(f"no kernel state in {state.path}")
+        _name_others(also)
         return 0
     rows = [("KEY", "ACTION", "FAILS", "AGE", "STATUS", "TORCH", "MACHINE", "REASON")]
     rows += [(e.key, e.action, str(e.fail_count), _age(now - e.last_time), e.status(now), e.torch_version, e.machine,
@@ -157,5 +175,12 @@ def state_main(argv: list[str]) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
     in_force = sum(e.status(now) == "in force" for e in entries)
     print(f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}, {in_force} in force. "
-          f"Clear: {K.state_command(state, 'clear')} [--key TEXT]")
+          f"Clear: {K.state_command(state, 'clear')} (one kernel: {K.state_command(state, 'clear', entries[0].key)})")
+    _name_others(also)
     return 0
+
+
+def _name_others(also: list[tuple[str, int]]) -> None:
+    for path, n in also:
+        print(f"also {n} entr{'y' if n == 1 else 'ies'} of a run with injected faults (fault_inject) in {path}: "
+              f"{K.state_command(K.KernelState(path), 'list')}")

@@ -377,14 +377,44 @@ def _state_at(path: str | None, fault_inject: str = "") -> KernelState:
         return _STATES[slot]
 
 
-def state_command(state: KernelState, sub: str) -> str:
-    """The command that runs ``python -m enn_backend state <sub>`` on ``state``'s file (the
-    state of an injected fault, in a file of its own, is cleared by deleting that file)."""
+def state_command(state: KernelState, sub: str, key: str | None = None) -> str:
+    """The command, ready to paste, that runs ``python -m enn_backend state <sub>`` on
+    ``state``'s file (``--key`` ``key`` when given): the default file of enn's cache folder needs
+    no argument, one in another folder ``--cache-dir``, any other file (an injected fault's
+    state) ``--file``."""
     folder, name = os.path.split(state.path or "")
-    if name != FILE_NAME:
-        return f"rm {shlex.quote(state.path or '')}"
     command = f"python -m enn_backend state {sub}"
-    return command if folder == Options().resolved_cache_dir() else f"{command} --cache-dir {shlex.quote(folder)}"
+    if name != FILE_NAME:
+        command += f" --file {shlex.quote(state.path or '')}"
+    elif folder != Options().resolved_cache_dir():
+        command += f" --cache-dir {shlex.quote(folder)}"
+    return command if key is None else f"{command} --key {shlex.quote(key)}"
+
+
+def other_state_files(folder: str) -> list[str]:
+    """The state files in ``folder`` besides the default one: those of runs with injected faults."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [os.path.join(folder, n) for n in names if n.startswith("kernel_state-inject-") and n.endswith(".json")]
+
+
+def unreadable(path: str) -> str | None:
+    """Why the state file at ``path`` cannot be used (None: it can, or there is none)."""
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(MAX_FILE_BYTES + 1).decode())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return "not an enn kernel-state file"
+    version = data.get("version")
+    if version != VERSION and not (isinstance(version, int) and version > VERSION):  # a newer enn's is not broken
+        return f"format version {version!r:.20}, this enn reads version {VERSION}"
+    return None
 
 
 def announce_pins(state: KernelState, nodes: int) -> None:
