@@ -302,11 +302,16 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 _REPORT = Report()
+# Per thread: the throwaway report a re-trace records into (detached_report). Only the thread that
+# re-traces records there; every other thread keeps recording into the process's report.
+_DETACHED = threading.local()
 
 
 def report() -> Report:
-    """The report of everything enn compiled since :func:`reset`."""
-    return _REPORT
+    """The report of everything enn compiled since :func:`reset` (inside :func:`detached_report`,
+    in that thread only, the throwaway one)."""
+    detached = getattr(_DETACHED, "report", None)
+    return _REPORT if detached is None else detached
 
 
 def reset() -> None:
@@ -316,14 +321,15 @@ def reset() -> None:
 
 @contextlib.contextmanager
 def detached_report() -> Iterator[Report]:
-    """Record into a throwaway report for the length of the block.
+    """Record into a throwaway report, in this thread, for the length of the block.
 
     For work that repeats a compile the report already describes (re-tracing a graph
     loaded from a cache): its passes must not count their fusions and fallbacks twice.
+    Other threads meanwhile record into the process's report as always.
     """
-    global _REPORT
-    saved, _REPORT = _REPORT, Report()
+    saved = getattr(_DETACHED, "report", None)
+    _DETACHED.report = Report()
     try:
-        yield _REPORT
+        yield _DETACHED.report
     finally:
-        _REPORT = saved
+        _DETACHED.report = saved
