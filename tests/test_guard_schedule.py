@@ -4,12 +4,15 @@ value check's comparison of two results (guard/screen.py), whose common case is 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import enn_backend
 from enn_backend.guard.dynamo_reference import DynamoReference
 from enn_backend.guard.runtime import GuardedGraph
+from enn_backend.guard.schedule import Action, Schedule
 from enn_backend.guard.screen import finite_close, same_nonfinite, same_values
 
 from _models import make
@@ -29,6 +32,52 @@ def _counting(monkeypatch, cls: type, name: str) -> list[int]:
 
     monkeypatch.setattr(cls, name, counted)
     return seen
+
+
+DEFAULTS = Schedule(warmup=20, every=50, value_every=1000, values_always=False, checks_outputs=True, keep_inputs=False)
+FEW = Schedule(warmup=3, every=10, value_every=25, values_always=False, checks_outputs=True, keep_inputs=False)
+B, H, S, L, V = Action.BARE, Action.HOLD, Action.SCREEN, Action.SCREEN_LATER, Action.VALUES
+
+
+@pytest.mark.parametrize("schedule, n, k, first_call_values, screen_later, action", [
+    # the defaults: the first call compared with eager, the warm-up screened, then every 50th
+    (DEFAULTS, 1, 1, True, False, V),
+    (DEFAULTS, 1, 1, False, False, S),  # an artifact loaded from a cache: checked when compiled
+    (DEFAULTS, 2, 2, True, False, S),
+    (DEFAULTS, 20, 20, True, True, S),  # the warm-up is screened synchronously even on a GPU
+    (DEFAULTS, 21, 21, True, False, B),
+    (DEFAULTS, 50, 50, True, False, S),
+    (DEFAULTS, 50, 50, True, True, L),  # past the warm-up, outputs on one GPU: read on the next call
+    (DEFAULTS, 1000, 1000, True, True, V),  # every guard_values-th call: compared with eager
+    (DEFAULTS, 1001, 1, True, False, V),  # a new artifact's first call (after a fault was pinned)
+    (DEFAULTS, 1001, 1, False, False, S),
+    (FEW, 4, 4, True, False, B),
+    (FEW, 10, 10, True, True, L),
+    (FEW, 25, 25, True, True, V),
+    (replace(FEW, value_every=0), 25, 25, True, False, B),  # value checks off (random draws, or ranks)
+    (replace(FEW, value_every=0), 1, 1, True, False, S),
+    (replace(FEW, values_always=True), 10, 10, True, True, V),  # mode "values": every check compares
+    (replace(FEW, values_always=True), 4, 4, True, True, B),
+    (replace(FEW, checks_outputs=False, keep_inputs=True, value_every=0), 1, 1, True, False, H),  # "exceptions"
+    (replace(FEW, checks_outputs=False, keep_inputs=True, value_every=0), 7, 7, True, False, H),
+])
+def test_schedule_table(schedule, n, k, first_call_values, screen_later, action):
+    assert schedule.action(n, k, first_call_values, screen_later) is action
+
+
+@pytest.mark.parametrize("schedule, n, k, late_pending, due", [
+    (DEFAULTS, 1, 1, False, 2),  # the warm-up: every call
+    (DEFAULTS, 19, 19, False, 20),
+    (DEFAULTS, 20, 20, False, 50),  # then the next multiple of guard_every ...
+    (DEFAULTS, 950, 950, False, 1000),  # ... or of guard_values, whichever comes first
+    (DEFAULTS, 50, 50, True, 51),  # a late screen is read on the next call
+    (FEW, 3, 3, False, 10),
+    (FEW, 20, 20, False, 25),
+    (replace(FEW, warmup=0), 0, 0, False, 1),  # no warm-up: the artifact's first call still decides
+    (replace(FEW, keep_inputs=True), 5, 5, False, 6),  # mode "exceptions": every call holds its inputs
+])
+def test_next_due_table(schedule, n, k, late_pending, due):
+    assert schedule.next_due(n, k, late_pending) == due
 
 
 def test_only_due_calls_leave_the_fast_path(monkeypatch):

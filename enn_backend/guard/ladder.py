@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -29,12 +30,28 @@ from .screen import allowance, compiled_is_worse, divergent, diverging, nonfinit
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What the ladder decided about a faulty graph: the kind of fault, the ops it blames
+    (``<graph>``: none in particular), the pins it adds, whether the graph now computes in fp32
+    or runs eagerly, and the reason and action the report gives. Applied in one place
+    (:meth:`FaultLadder._apply`), and sent as it is to the other ranks of a distributed run."""
+
+    kind: FallbackKind
+    nodes: str
+    pins: frozenset[str]
+    fp32: bool
+    eager: bool
+    reason: str
+    action: str
+
+
 class FaultLadder:
     """The slow path of :class:`~enn_backend.guard.runtime.GuardedGraph`, its base class.
 
     It works on the guarded graph's state, set by GuardedGraph.__init__: ``compiler``,
     ``compiled`` (the fast path it replaces), ``record``, ``opts``, ``mode``, ``written``,
-    ``allowed``, ``low_precision``, ``value_every`` / ``values_always``, ``inputs_are_primals``,
+    ``allowed``, ``low_precision``, ``schedule``, ``inputs_are_primals``,
     ``reported``, ``generation``, ``since_build``, ``first_call_values``.
     """
 
@@ -184,6 +201,18 @@ class FaultLadder:
             raise EnnGuardError(f"enn: {what} in cache-loaded graph {self.record.id}, and its eager copy could not be "
                                 f"rebuilt: {type(exc).__name__}: {exc}") from exc
 
+    def _apply(self, decision: "Decision", new: Callable[[list], Any], sites: list | None = None) -> None:
+        """The one place a decision of the ladder takes effect: reported once, the graph's pins,
+        fp32 and path updated, ``new`` made the fast path. The decision is kept as it is, for the
+        other ranks (guard.ranks)."""
+        report().add_fallback(decision.kind, node=decision.nodes, phase=self.record.phase, graph=self.record,
+                              reason=decision.reason, action=decision.action, sites=sites or [])
+        if decision.eager:
+            self.record.path = "eager"
+        self.compiler.adopt(new, pins=decision.pins, fp32=decision.fp32)
+        self._adopt(new)
+        self.decision = decision
+
     def _adopt(self, new: Callable[[list], Any]) -> None:
         """Make ``new`` the fast path. The artifact first compiled is no longer the graph's: it
         must not reach AOTAutograd's cache (enn_backend.aot_cache) if that saves it later."""
@@ -194,7 +223,7 @@ class FaultLadder:
 
     def _kernel_fault(self, kind: str, what: str, call: Call, exc: BaseException | None, ref: Run,
                       bad: list) -> Any:
-        rec, phase, R = self.record, self.record.phase, report()
+        rec, phase = self.record, self.record.phase
         t0 = time.perf_counter()
         no_cudagraphs = self._leave_cudagraphs()
 
@@ -268,11 +297,10 @@ class FaultLadder:
                 nodes, new = "<graph>", self.compiled
                 action = ("kept the compiled graph: pinning every op did not bring its values to eager's, so no "
                           "kernel is at fault on this evidence; value checks of this graph are off from now on")
-                self.value_every, self.values_always = 0, False
+                self.schedule = replace(self.schedule, value_every=0, values_always=False)
             elif loc is None:
                 nodes, action = "<graph>", "graph runs eagerly from now on (pinning every op did not remove the fault)"
                 new = self.compiler.eager_callable()
-                rec.path = "eager"
             else:
                 nodes = ",".join(loc.pinned)
                 pins = frozenset(loc.pinned)
@@ -295,10 +323,9 @@ class FaultLadder:
                 f"Eager's result is right where the compiled one is not, so the compiled kernel is at fault. "
                 f"Set guard='nonfinite' to fall back automatically."
             ) from exc
-        R.add_fallback(FallbackKind(kind), node=nodes, phase=phase, graph=rec, reason=what, action=action + no_cudagraphs,
-                       sites=sites)
-        self.compiler.adopt(new, pins=frozenset(loc.pinned) if loc else frozenset())
-        self._adopt(new)
+        self._apply(Decision(FallbackKind(kind), nodes, frozenset(loc.pinned) if loc else frozenset(), fp32=False,
+                             eager=loc is None and kind != "value" and localized, reason=what,
+                             action=action + no_cudagraphs), new, sites)
         result = self._returning(ref, call)
         if localized:
             self.compiler.write_repro(kind=kind, what=what, inputs=call.inputs_before(), snapshot=None, nodes=nodes)
@@ -381,7 +408,7 @@ class FaultLadder:
     def _fp32_retry(self, what: str, call: Call, bad: list) -> Any:
         """Low precision overflowed in eager too: the fp32 graph's result if it is finite there
         (and the graph is pinned to fp32 from now on), else None."""
-        rec, phase, R = self.record, self.record.phase, report()
+        rec, phase = self.record, self.record.phase
         run = self._rerun(self.compiler.runs_eagerly(self.compiler.fp32_gm()), call, eager=True)
         if run.exc is not None or set(nonfinite_outputs(run.results)) & set(bad):
             return None
@@ -392,12 +419,11 @@ class FaultLadder:
         self._count_fault()
         no_cudagraphs = self._leave_cudagraphs()
         new = self.compiler.build(fp32=True)
-        self.compiler.adopt(new, fp32=True)
-        self._adopt(new)
         self.compiler.state.record(graph_key(self.compiler.eager_gm), "fp32", reason=what)
-        R.add_fallback(FallbackKind.PRECISION, node="<graph>", phase=phase, graph=rec,
-                       reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
-                       action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run" + no_cudagraphs)
+        self._apply(Decision(FallbackKind.PRECISION, "<graph>", frozenset(), fp32=True, eager=False,
+                             reason=f"{what}; eager in low precision is non-finite too, fp32 is finite",
+                             action="graph pinned to fp32 compute (outputs cast back); result taken from the fp32 run"
+                                    + no_cudagraphs), new)
         rec.promotions.append({"node": "<graph>", "reason": "master-dtype retry: low precision overflowed"})
         return self._returning(run, call)
 

@@ -240,7 +240,7 @@ class RankFollower:
         with LADDER:
             if me != leader:
                 return self._follow(share(leader), leader, call, out, exc if levels[me] else None)
-            generation, seen = self.generation, len(report().fallbacks)
+            generation, self.decision = self.generation, None
             try:
                 result = self._on_fault("exception" if exc is not None else "nonfinite", call, exc=exc, bad=bad,
                                         out=out)
@@ -249,20 +249,19 @@ class RankFollower:
                        f"{e}"[:4000] + " (raised on every rank)")
                 share(leader, {"error": msg})
                 raise RanksError(msg) from e
-            share(leader, self._decision(generation, seen))
+            share(leader, self._shared(generation))
             return result
 
-    def _decision(self, generation: int, seen: int) -> dict[str, Any]:
-        """What the leader's ladder did to this graph: the graph's code hash and its whole pin set
-        (by node name, the same on every rank that compiled the same code), fp32, eager."""
-        c = self.compiler
-        mine = [f for f in report().fallbacks[seen:] if f.graph == self.record.id]
-        last = mine[-1] if mine else None
+    def _shared(self, generation: int) -> dict[str, Any]:
+        """What the leader sends: the decision its ladder returned (guard.ladder.Decision), with
+        the graph's code hash and its whole pin set (by node name, the same on every rank that
+        compiled the same code), fp32, eager, and the infinities it learned to be the model's own."""
+        c, d = self.compiler, self.decision
         return {"error": None, "changed": self.generation != generation, "key": graph_key(c.eager_gm),
                 "allowed": self.allowed,
                 "pinned": sorted(c.pinned_names), "fp32": bool(c.fp32), "eager": self.record.path == "eager",
-                "kind": last.kind if last else FallbackKind.NONFINITE.value,
-                "node": last.node if last else "<graph>", "reason": last.reason if last else ""}
+                "kind": d.kind.value if d else FallbackKind.NONFINITE.value,
+                "node": d.nodes if d else "<graph>", "reason": d.reason if d else ""}
 
     def _follow(self, d: dict[str, Any], leader: int, call: Any, out: Any, exc: BaseException | None) -> Any:
         """Apply the leader's decision ``d``: at most one rebuild, no localization, no repro.

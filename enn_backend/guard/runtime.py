@@ -21,6 +21,7 @@ from ..report import FallbackKind, GraphRecord, report
 from .calls import LADDER, Call, distributed
 from .ladder import FaultLadder
 from .ranks import RankFollower, gather_levels
+from .schedule import Action, Schedule
 from .screen import LateScreen, nonfinite_outputs, outputs, single_cuda_device
 
 log = logging.getLogger(__name__)
@@ -38,20 +39,18 @@ class GuardedGraph(RankFollower, FaultLadder):
         self.record = record
         self.opts = compiler.opts
         self.mode = self.opts.guard
-        self.every = self.opts.guard_every
-        self.warmup = self.opts.guard_warmup
-        self.checks_outputs = self.mode.checks_outputs
         # value checks: every checked call in "values" mode, else the first call of each
         # artifact and every `guard_values`-th call; never where random draws differ by design
         # never under torch.distributed: a rank's value check would not be agreed on (see .ranks)
         values = self.mode.checks_outputs and not compiler.random and not distributed()
-        self.value_every = self.opts.guard_values if values else 0
-        self.values_always = self.mode.checks_every_value and values
+        self.schedule = Schedule(warmup=self.opts.guard_warmup, every=self.opts.guard_every,
+                                 value_every=self.opts.guard_values if values else 0,
+                                 values_always=self.mode.checks_every_value and values,
+                                 checks_outputs=self.mode.checks_outputs, keep_inputs=self.mode.keeps_inputs)
         # a graph loaded from AOTAutograd's cache was checked when it was compiled; checking its
         # first call again would trace it again, which a warm start exists to avoid
         self.first_call_values = not compiler.from_cache
         self.low_precision: bool | None = None  # does the graph compute in fp16/bf16? (on the first value check)
-        self.keep_inputs = self.mode.keeps_inputs  # exceptions mode may re-run any call
         self.counters = record.counters  # the report's counters for this graph, updated per call
         self.calls = 0
         self.built_at = 0  # the call count when the current artifact was built (see since_build)
@@ -65,6 +64,7 @@ class GuardedGraph(RankFollower, FaultLadder):
         self.allowed: dict[int, str] = {}  # output -> the infinities the reference makes there too
         self.reported: set[FallbackKind] = set()  # kinds reported once per graph, repeats counted
         self.generation = 0  # bumped whenever the fast path changes (see LADDER)
+        self.decision: Any = None  # the ladder's last decision (guard.ladder.Decision), for the other ranks
         # steady-state samples of a graph whose outputs live on one GPU are screened there and
         # read back later (a host sync would stall the launch queue: +3-7% on a short step)
         self.screen_later: bool | None = None  # decided by the first synchronously checked call
@@ -105,34 +105,17 @@ class GuardedGraph(RankFollower, FaultLadder):
         # outside the `except`: an error the ladder raises is not chained to the kernel's
         return self._after(None, exc, Call(None, None, None, generation), False)
 
-    def _next_due(self) -> int:
-        """The next call (after this one) that is not a bare call: every call in "exceptions"
-        mode (which keeps every call's inputs), while a late screen waits to be read, in the
-        warm-up and on an artifact's first call; else the next multiple of ``guard_every`` or of
-        ``guard_values``, whichever comes first."""
-        n = self.calls
-        if self.keep_inputs or self._late is not None or self.since_build < max(self.warmup, 1):
-            return n + 1
-        due = n + self.every - n % self.every
-        if self.value_every:
-            due = min(due, n + self.value_every - n % self.value_every)
-        return due
-
     def _scheduled(self, args: list) -> Any:
-        """A call at or past ``due``: decides what this call does, and the next ``due``."""
+        """A call at or past ``due``: what it does (guard.schedule), and the next ``due``."""
         if self._late is not None:
             self._read_late()
-        # every call while the artifact is new (first calls are where kernel faults show),
-        # then every `guard_every`-th call
-        warm = self.since_build <= self.warmup
-        values = self.value_every and ((self.since_build == 1 and self.first_call_values)
-                                       or self.calls % self.value_every == 0)
-        check = self.checks_outputs and (warm or values or self.calls % self.every == 0)
-        values = check and (values or self.values_always)
-        later = check and not warm and not values and self.screen_later and not distributed()
-        self.due = self._next_due()  # a ladder below, or a late screen, sets it again
+        action = self.schedule.action(self.calls, self.since_build, self.first_call_values,
+                                      bool(self.screen_later) and not distributed())
+        # (a ladder below, or a late screen, sets it again)
+        self.due = self.schedule.next_due(self.calls, self.since_build, self._late is not None)
+        check, values, later = action.checks, action is Action.VALUES, action is Action.SCREEN_LATER
         generation = self.generation
-        if later or not (check or self.keep_inputs):
+        if not action.holds_inputs:
             out, exc = None, None
             written = [args[i] for i in self.compiler.mutated] if later else []  # screened with the outputs
             try:
