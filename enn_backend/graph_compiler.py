@@ -38,35 +38,28 @@ from .report import FallbackKind, GraphRecord, report
 log = logging.getLogger(__name__)
 
 # Inductor options enn compiles a graph with, by device type, where options= leaves them unset
-# (and the running Inductor has them). Each is off in Inductor's defaults and measured faster on,
-# side by side on an H100 (bench/results/gpu-h100/real_gaps_combo_*.log, real_gaps_host_*.log,
-# real_gaps_cpp_wrapper.log). A graph that does not compile with them is compiled without them
-# (recorded), before any of enn's rewrites is given up.
+# (and the running Inductor has them). Each is off in Inductor's defaults; enn turns it on where
+# it makes steps faster and no step slower. A graph that does not compile with them is compiled
+# without them (recorded), before any of enn's rewrites is given up.
 #
-# combo_kernels fuses independent kernels horizontally, so a step launches 10-40% fewer kernels
-# and steps bound by the host's launch work run 4-19% faster (GPU-bound ones 0-1%). Each
-# sub-kernel keeps its own block sizes, without which ResNet-18 inference ran 12% slower (its
-# combined kernels shared one tile: kernel time +15%); and only pointwise kernels are combined:
-# a Qwen2 training step whose reductions were combined too ran 12% slower (one combined
-# persistent reduction took 1.3 ms), pointwise only 0.5% faster than Inductor
-# (real_gaps_combo_reductions.log). On the CPU there are no launches to save.
+# combo_kernels: independent kernels fused horizontally, so a step launches fewer kernels; each
+# sub-kernel keeps its own block sizes (a shared tile slows the larger ones), and only pointwise
+# kernels are combined (a combined persistent reduction can be slower than its parts). On the CPU
+# there are no launches to save. Calibrated on the real-model suite, H100, torch 2.11
+# (bench/results/gpu-h100/real_gaps_combo_*.log).
 INDUCTOR_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True, "combo_kernels_pointwise_only": True},
 }
 # On top of those, options of compile_fx itself (backend.py sets them there: compile_fx_defaults),
-# for every graph not under CUDA graphs (which already take the host out). cpp_wrapper launches
-# the kernels from C++ instead of one Python call per kernel: T5 inference went from 1.08x to
-# 1.82x Inductor (host idle time 2.2 -> 0.8 ms per step), at no cost to GPU-bound steps
-# (real_gaps_cpp_wrapper_infer.log); with it on the backward too, the host-bound training steps
-# (ViT, ResNet-18, T5) went from 1.11-1.20x to 1.35-1.44x Inductor (host idle 1.5-4.1 -> 0.4-1.3
-# ms per step, real_gaps_backward_cpp.log). Every graph's first build gets it, the guard's
-# recompiles do not (GraphCompiler.cpp_wrapper_ok). torch 2.11 tunes the C++ wrapper's kernels on
-# the graph's real inputs, which AOT Autograd's compile of a backward lacks: there the backward
-# is built on its first call (GraphCompiler.waits_for_first_call), which keeps the unit out of AOT
-# Autograd's cache (a warm start of ViT training: 1.6 s, 0.3 s under Inductor). The cost
-# everywhere: a cold compile into an empty Inductor cache compiles each wrapper as C++ (ViT
-# training's first step 23.7 s, 12.1 s under Inductor: warm_start_no_probe.log), and the first
-# wrapper on a machine builds the precompiled header (about 6 s, first_compile_no_probe.log).
+# for every graph not under CUDA graphs (which already take the host out). cpp_wrapper: the
+# kernels are launched from C++ instead of one Python call each, which shortens host-bound steps
+# and costs GPU-bound ones nothing; it costs compile time (each wrapper is compiled as C++, and
+# the first on a machine builds a precompiled header). Every graph's first build gets it, the
+# guard's recompiles do not (GraphCompiler.cpp_wrapper_ok). Where torch tunes the C++ wrapper's
+# kernels on the graph's real inputs (2.11), a backward, whose compile lacks them, is built on its
+# first call (GraphCompiler.waits_for_first_call), which keeps the unit out of AOT Autograd's
+# cache. Calibrated on the real-model suite, H100, torch 2.11 (bench/results/gpu-h100/
+# real_gaps_cpp_wrapper*.log, real_gaps_backward_cpp.log, warm_start_no_probe.log).
 COMPILE_FX_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {"cpp_wrapper": True},
 }

@@ -367,7 +367,7 @@ class Options:
 
 
 # ENN_* variables that are not options (read by tools, not by the backend).
-_NON_OPTION_ENV = frozenset({"ENN_TEST_GPU", "ENN_BENCH_OUT", "ENN_DEBUG_GRAPHS"})
+_NON_OPTION_ENV = frozenset({"ENN_BENCH_OUT", "ENN_DEBUG_GRAPHS"})
 
 _warned_env: set[str] = set()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -35,7 +36,12 @@ _NO_IMPORT_SCRIPT = textwrap.dedent(
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+    # built from a copy of the sources: setuptools writes its build/ folder beside the sources it
+    # builds, and the suite leaves nothing in the checkout
+    src = tmp_path_factory.mktemp("src") / "enn"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__",
+                                                             ".venv", ".pytest_cache", "results"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
                    check=True, capture_output=True, timeout=600)
     (whl,) = out.glob("enn_backend-*.whl")
     return whl
