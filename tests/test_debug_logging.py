@@ -70,11 +70,16 @@ def test_graph_line_fields():
 
     rec = GraphRecord(id="g3/forward", unit="g3", phase="forward", compute_nodes=10, compiled_nodes=9,
                       compile_time_s=1.25, fusions={"attention": 1, "epilogue": 2},
-                      kernel_choices=[{"node": "attn", "choice": "flash", "reason": "fast"}],
+                      kernel_choices=[{"node": "view_3", "choice": "flash", "reason": "fast",
+                                       "site": {"node": "view_3", "module": "h.0.attn"}},
+                                      {"node": "view_9", "choice": "flash", "reason": "fast",
+                                       "site": {"node": "view_9", "module": "h.1.attn"}},
+                                      {"node": "bmm", "choice": "math", "reason": "fp32"}],
                       pinned=["mm_1", "mm_2"], events=[{"kind": "pinned_from_state", "node": "mm_1,mm_2"}],
                       sites={"mm_1": {"node": "mm_1", "op": "aten.mm.default", "module": "h.0.mlp.fc", "file": "/m/model.py",
                                       "line": 12, "function": "forward"}})
     line = graph_line(rec)
     assert line == ("enn graph g3/forward: path=inductor ops=10 compiled=9 fusions=attention=1,epilogue=2 "
-                    "kernels=attn:flash fp32=0 fallbacks=pinned_from_state pinned=2 compile=1.25s; "
+                    "kernels=flash:2 [h.0.attn, h.1.attn],math:1 [bmm] fp32=0 fallbacks=pinned_from_state pinned=2 "
+                    "compile=1.25s; "
                     "pinned: h.0.mlp.fc (model.py:12, in forward) [mm_1]; mm_2")

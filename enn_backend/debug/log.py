@@ -23,7 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 from .. import compat
-from ..blame import describe_all
+from ..blame import describe_all, location
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def graph_line(rec: Any) -> str:
     """One line that says what enn did to a compiled graph (a report GraphRecord); its ops are
     counted as the report counts them, and its pinned ops named by their sites."""
     fus = ",".join(f"{k}={v}" for k, v in sorted(rec.fusions.items())) or "none"
-    kernels = ",".join(f"{c.get('node', '?')}:{c.get('choice', '?')}" for c in rec.kernel_choices) or "none"
+    kernels = _kernels(rec.kernel_choices)
     falls = [e for e in rec.events if "kind" in e]
     fallbacks = ",".join(e["kind"] for e in falls) or "none"
     pinned = [rec.sites.get(n) or {"node": n} for n in rec.pinned]
@@ -43,6 +43,17 @@ def graph_line(rec: Any) -> str:
         f"fusions={fus} kernels={kernels} fp32={len(rec.promotions)} fallbacks={fallbacks} pinned={len(pinned)} "
         f"compile={rec.compile_time_s:.2f}s" + (f"; pinned: {describe_all(pinned)}" if pinned else "")
     )
+
+
+def _kernels(choices: list[dict[str, Any]], limit: int = 3) -> str:
+    """Kernel choices by kernel, each with where it runs as the report names it (the module
+    path, else the source line, else the graph node): ``flash:2 [h.0.attn, h.1.attn]``."""
+    by: dict[str, list[str]] = {}
+    for c in choices:
+        site = c.get("site") or {}
+        by.setdefault(c.get("choice", "?"), []).append(site.get("module") or location(site) or c.get("node", "?"))
+    return ",".join(f"{k}:{len(v)} [{', '.join(v[:limit])}{f', and {len(v) - limit} more' if len(v) > limit else ''}]"
+                    for k, v in by.items()) or "none"
 
 
 def log_compiled_graph(rec: Any) -> None:
