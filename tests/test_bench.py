@@ -298,4 +298,8 @@ def test_speed_verdict_says_when_the_machine_is_too_noisy():
     assert steady.startswith("enn ran 2.0") and "too noisy" not in steady
     noisy = timing.speed_verdict([1.0, 2.0, 0.6, 1.5, 0.8], [1.0, 1.0, 1.0, 1.0, 1.0], "inductor", "enn")
     assert noisy.startswith("too noisy to tell enn from inductor"), noisy
+    # identical code, one slow round out of seven: no verdict (the interquartile range would give one)
+    same = timing.speed_verdict([1.0, 1.08, 1.09, 1.08, 1.07, 1.08, 0.97], [1.0] * 7, "inductor", "enn")
+    assert same.startswith("too noisy"), same
+    assert timing.speed_verdict([2.0] * 3, [1.0] * 3, "inductor", "enn").startswith("too noisy")  # too few rounds
     assert timing.spread_pct([1.0, 1.0, 1.0, 1.0]) == 0.0 and round(timing.spread_pct([1.0, 3.0]), 1) == 100.0
