@@ -201,3 +201,24 @@ def test_device_screen_flags_nan_and_inf_but_not_an_overflowing_sum(dtype, devic
     nan_and_inf = others[0].clone()
     nan_and_inf[0, 0], nan_and_inf[1, 1] = float("nan"), float("inf")
     assert flag(nan_and_inf, mask)
+
+
+def test_the_guard_uses_its_graph_through_two_typed_seams():
+    """GraphCompiler is a full GuardedCompiler; the stand-in of a cache-loaded graph provides the
+    facts the fast path reads, and its full() the rest (enn_backend.guard.seams)."""
+    import gc
+    from types import SimpleNamespace
+
+    from enn_backend.aot_cache import CachedGraph
+    from enn_backend.guard.seams import GraphFacts, GuardedCompiler
+    from enn_backend.options import Options
+
+    model, x = make("mlp")
+    with torch.no_grad():
+        torch.compile(model, backend="enn", options=ISOLATED)(x)
+    (record,) = enn_backend.report().graphs
+    guard = next(o for o in gc.get_objects() if type(o) is GuardedGraph and o.record is record)
+    assert isinstance(guard.compiler, GuardedCompiler)
+    meta = {"phase": "forward", "graph_key": "k", "mutated": [], "random": False}
+    stand_in = CachedGraph(SimpleNamespace(opts=Options()), meta, guard.record)
+    assert isinstance(stand_in, GraphFacts) and not isinstance(stand_in, GuardedCompiler)

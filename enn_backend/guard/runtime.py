@@ -22,6 +22,7 @@ from .calls import LADDER, Call, distributed
 from .ladder import FaultLadder
 from .ranks import RankFollower, gather_levels
 from .schedule import Action, Schedule
+from .seams import GraphFacts
 from .screen import LateScreen, nonfinite_outputs, outputs, single_cuda_device
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,10 @@ class GuardedGraph(RankFollower, FaultLadder):
     """Fast path (here) + the fallback ladder (FaultLadder) for one compiled graph (see enn_backend.guard);
     under torch.distributed, the ranks' agreement (RankFollower)."""
 
-    def __init__(self, compiler: "Any", compiled: Callable[[list], Any], record: GraphRecord) -> None:
-        self.compiler = compiler  # enn_backend.graph_compiler.GraphCompiler
+    def __init__(self, compiler: GraphFacts, compiled: Callable[[list], Any], record: GraphRecord) -> None:
+        # the graph's compiler, or a cache-loaded graph's stand-in until the ladder needs the graph
+        # (FaultLadder._full_compiler makes it the full GuardedCompiler): guard.seams
+        self.compiler: Any = compiler
         self.compiled = compiled
         self.record = record
         self.opts = compiler.opts
