@@ -54,7 +54,7 @@ from .guard.kernel_state import state_for
 from .guard.runtime import GuardedGraph
 from .options import Options
 from .passes import current_module_state, module_state
-from .report import FallbackKind, GraphRecord, detached_report, report
+from .report import Count, FallbackKind, GraphRecord, detached_report, report
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class WarmStart:
             for f in meta["fallbacks"]:
                 self._replay(f, rec)
             log_compiled_graph(rec)
-        report().count("aot_cache.hits")
+        report().count(Count.AOT_CACHE_HITS)
         log.debug("enn: %s loaded from AOTAutograd's cache in %.2fs", self.unit, records[0].compile_time_s)
         return fn
 
@@ -204,7 +204,7 @@ class WarmStart:
                 why = f"kernel state in {state.path} records faults for kernels in this graph"
         if why is not None:
             log.info("enn: not using AOTAutograd's cache entry for %s: %s", self.unit, why)
-            report().count("aot_cache.refused")
+            report().count(Count.AOT_CACHE_REFUSED)
             raise compat.FXGraphCacheMiss(f"enn: {why}")
         return meta
 

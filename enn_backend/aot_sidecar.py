@@ -20,7 +20,7 @@ from typing import Any
 
 from . import compat
 from .blame import SITE_FIELDS
-from .report import FallbackKind, atomic_write_text, report
+from .report import Count, FallbackKind, atomic_write_text, report
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def read_sidecar(fx_key: str) -> dict[str, Any] | None:
     except Exception as exc:  # noqa: BLE001 - any corruption is survivable: the graph is compiled again
         log.warning("enn: ignoring %s (%s: %s); the graph is compiled instead of loaded from the cache",
                     path, type(exc).__name__, exc)
-        report().count("aot_cache.corrupt_sidecar")
+        report().count(Count.AOT_CACHE_CORRUPT_SIDECAR)
         return None
     _travel(fx_key, data)
     return data
@@ -105,4 +105,4 @@ def _load_artifact(key: str, content: bytes) -> None:
     atomic_write_text(sidecar_path(key), json.dumps(data, indent=1))
 
 
-compat.register_cache_artifact(ARTIFACT, _load_artifact, lambda: report().count("cache_artifacts.ignored"))
+compat.register_cache_artifact(ARTIFACT, _load_artifact, lambda: report().count(Count.CACHE_ARTIFACTS_IGNORED))

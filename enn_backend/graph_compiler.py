@@ -33,7 +33,7 @@ from .guard.kernel_entry import graph_key, node_key
 from .guard.kernel_state import KernelState, announce_pins, state_command, state_for
 from .lowerings import enn_lowerings
 from .options import Options
-from .report import FallbackKind, GraphRecord, report
+from .report import FallbackKind, GraphCounter, GraphRecord, report
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class GraphCompiler:
         self._pinned_in[id(compiled)] = 0 if path == "eager" else sum(
             1 for n in gm.graph.nodes if n.target is torch.ops.enn.pinned.default)
         if not quiet:
-            self.record.counters["pinned_in_graph"] = self._pinned_in[id(compiled)]
+            self.record.set(GraphCounter.PINNED_IN_GRAPH, self._pinned_in[id(compiled)])
             self.record.compile_time_s += time.perf_counter() - t0
             self.record.path = path
             self.record.compiled_nodes = 0 if path == "eager" else self.compute_nodes - len(pins)
@@ -359,8 +359,8 @@ class GraphCompiler:
         self.fp32 = self.fp32 or fp32
         self._record_pins(self.pinned_names)
         self.record.compiled_nodes = self.compute_nodes - len(self.pinned_names)
-        self.record.counters["recompiles"] = self.record.counters.get("recompiles", 0) + 1
-        self.record.counters["pinned_in_graph"] = self._pinned_in.get(id(compiled), 0)
+        self.record.bump(GraphCounter.RECOMPILES)
+        self.record.set(GraphCounter.PINNED_IN_GRAPH, self._pinned_in.get(id(compiled), 0))
 
     def _record_pins(self, pins: frozenset[str]) -> None:
         self.record.pinned = sorted(pins)

@@ -56,6 +56,36 @@ class FallbackKind(str, enum.Enum):
     EXPORTING = "exporting"  # handed a graph while torch.export traced: it runs as captured, for export
 
 
+class GraphCounter(str, enum.Enum):
+    """What a graph's record counts (``GraphRecord.counters``, keyed by the value)."""
+
+    CALLS = "calls"  # calls of the graph
+    CHECKS = "checks"  # calls whose results were screened
+    VALUE_CHECKS = "value_checks"  # calls compared with the eager reference
+    VALUE_REFERENCE_OUTLIER = "value_reference_outlier"  # a disagreement where eager was the outlier
+    EAGER_RERUNS = "eager_reruns"  # eager re-runs after a fault
+    FAULTS = "faults"  # faults of the compiled code
+    MODEL_NONFINITE = "model_nonfinite"  # NaN/Inf that eager makes too
+    RECOMPILES = "recompiles"  # artifacts adopted after a fault
+    PINNED_IN_GRAPH = "pinned_in_graph"  # enn::pinned nodes in the current artifact
+
+
+class Count(str, enum.Enum):
+    """What the report counts across graphs (``Report.counters``, keyed by the value; each
+    fallback also counts as ``fallback.<kind>``)."""
+
+    GUARD_FAULTS = "guard.faults"
+    GUARD_MODEL_NONFINITE = "guard.model_nonfinite"
+    DYNAMO_REFERENCE_OFF = "guard.dynamo_reference_off"  # a unit whose Dynamo-graph reference cannot run
+    DYNAMO_REFERENCE_OUTLIER = "guard.dynamo_reference_outlier"  # the Dynamo graph was the outlier
+    DYNAMO_REFERENCE_COPIES_ALL = "guard.dynamo_reference_copies_all"  # a check that copied every input and attribute
+    DYNAMO_BACKWARD_CHECKS = "guard.dynamo_backward_checks"  # backwards compared with the Dynamo graph's
+    AOT_CACHE_HITS = "aot_cache.hits"
+    AOT_CACHE_REFUSED = "aot_cache.refused"
+    AOT_CACHE_CORRUPT_SIDECAR = "aot_cache.corrupt_sidecar"
+    CACHE_ARTIFACTS_IGNORED = "cache_artifacts.ignored"
+
+
 @dataclass
 class Fallback:
     kind: str
@@ -88,6 +118,14 @@ class GraphRecord:
     sites: dict[str, Site] = field(default_factory=dict)  # node name -> site, for the nodes named here
     events: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
+
+    def bump(self, counter: GraphCounter, n: int = 1) -> int:
+        """Add ``n`` to ``counter``; its new value."""
+        self.counters[counter.value] = value = self.counters.get(counter.value, 0) + n
+        return value
+
+    def set(self, counter: GraphCounter, value: int) -> None:
+        self.counters[counter.value] = value
 
 
 class Report:
@@ -182,9 +220,10 @@ class Report:
         with self._lock:
             self.disabled[by] += 1
 
-    def count(self, name: str, n: int = 1) -> None:
+    def count(self, name: Count | str, n: int = 1) -> None:
+        """Add ``n`` to a counter of the report (a :class:`Count`; a plain name for a test's own)."""
         with self._lock:
-            self.counters[name] += n
+            self.counters[name.value if isinstance(name, Count) else name] += n
 
     # ----------------------------------------------------------- reading
     def fusions(self) -> dict[str, int]:

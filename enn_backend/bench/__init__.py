@@ -8,8 +8,9 @@
 - :mod:`.summary`   geomeans, ratios and goal verdicts of a result
 - :mod:`.markdown`, :mod:`.plots`  the Markdown report and PNG plots of a result (re-renderable from its JSON)
 - :mod:`.cli`       ``python -m enn_backend bench ...``
+- :mod:`.tools`     ``python -m enn_backend bench --tool NAME ...``: the measurement scripts in the
+                    checkout's ``bench/`` folder (a variant of enn, a compile phase, the guard's cost)
 
-The models come from :mod:`enn_backend.models`; the single-question scripts in the repository's
-``bench/`` folder (GPU probes, the guard's cost) time with :mod:`.timing` and compile with
-:mod:`.backends`; their results and the suite's live in ``bench/results/``.
+The models come from :mod:`enn_backend.models`; the tools time with :mod:`.timing` and compile
+with :mod:`.backends`; their results and the suite's live in ``bench/results/``.
 """

@@ -7,6 +7,7 @@
     python -m enn_backend bench --preset real-cpu --only hf_llama_eager,hf_bert_sdpa   # the same, tiny, on the CPU
     python -m enn_backend bench --models gpt2_naive,bert --modes train --dtypes fp32,bf16
     python -m enn_backend bench --render bench/results/cpu/quick.json   # re-render Markdown/PNGs
+    python -m enn_backend bench --tool host_tax --device cpu             # a tool: bench/host_tax.py (below)
 
 Results go to ``--out DIR``, else ``$ENN_BENCH_OUT``, else ``bench/<device>/`` in enn's cache folder
 (``cache_dir`` / ``ENN_CACHE_DIR``, else ``~/.cache/enn``): never into the working directory unless
@@ -28,6 +29,7 @@ import torch
 
 from .. import models
 from ..options import Options
+from . import tools
 from .backends import BACKENDS
 from .plots import device_folder, write_outputs
 from .runner import BenchConfig, run_suite
@@ -74,7 +76,7 @@ def _csv(text: str) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m enn_backend bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m enn_backend bench", description=__doc__, epilog=tools.help_text(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the quick CPU preset (same as --preset quick)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named preset (default: quick)")
@@ -99,7 +101,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit with status 1 when a goal is missed")
     p.add_argument("--name", help="file stem of the outputs (default: the preset name)")
     p.add_argument("--render", metavar="JSON", help="only re-render the Markdown and PNGs of a saved result")
-    p.add_argument("--list", action="store_true", help="list the zoo models and presets, then exit")
+    p.add_argument("--list", action="store_true", help="list the zoo models, presets and tools, then exit")
+    p.add_argument("--tool", metavar="NAME", help="run the tool bench/NAME.py (listed below) with the arguments "
+                                                  "that follow NAME; it comes first")
     return p
 
 
@@ -137,13 +141,19 @@ def output_folder(out: str | None, device: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--tool"] and len(argv) > 1:
+        return tools.run(argv[1], argv[2:])  # the rest is the tool's: it parses its own options
     args = parser().parse_args(argv)
+    if args.tool is not None:
+        parser().error("--tool NAME comes first: the arguments after NAME are the tool's")
     if args.list:
         for name in models.names("all"):
             print(f"{name:<18} {models.spec(name).description}")
         print()
         for name, p in PRESETS.items():
             print(f"preset {name:<8} {p['device']} {p['size']} models={','.join(p['models'])} dtypes={','.join(p['dtypes'])}")
+        print()
+        print(tools.help_text())
         return 0
     if args.render:
         with open(args.render) as f:

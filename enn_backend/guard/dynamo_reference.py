@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 
 from .. import compat
-from ..report import FallbackKind, report
+from ..report import Count, FallbackKind, report
 from .calls import LADDER, EnnGuardError, RngSnapshot, distributed, flat_args
 from .graph_edit import LOW_PRECISION, retarget_dtypes
 from .screen import compiled_is_worse, diverging, outputs
@@ -249,7 +249,7 @@ class DynamoReference:
     def _off(self, why: str) -> None:
         self.on = False
         self.due = sys.maxsize
-        report().count("guard.dynamo_reference_off")
+        report().count(Count.DYNAMO_REFERENCE_OFF)
         log.info("enn: unit %s: no Dynamo-graph reference from now on: %s", self.unit, why)
 
     def _run(self, flat: list, before: Before, fp64: bool = False) -> tuple[list, BaseException | None]:
@@ -291,7 +291,7 @@ class DynamoReference:
     def _check(self, args: tuple, flat: list) -> Any:
         rng = RngSnapshot()
         if self.writes.inputs is None:
-            report().count("guard.dynamo_reference_copies_all")
+            report().count(Count.DYNAMO_REFERENCE_COPIES_ALL)
         try:
             before = Before(flat, self.state, self.writes)
         except torch.OutOfMemoryError:
@@ -336,7 +336,7 @@ class DynamoReference:
             else:
                 wrong = any(compiled_is_worse(got[i], ref[i], ref64[i], self.low_precision) for i in off)
         if not wrong:
-            report().count("guard.dynamo_reference_outlier")
+            report().count(Count.DYNAMO_REFERENCE_OUTLIER)
             log.info("enn: unit %s: results %s differ from the Dynamo graph's, which is no closer to fp64: kept",
                      self.unit, off)
         return off, wrong
@@ -415,7 +415,7 @@ class DynamoReference:
                           cotangents: dict, fp64: Callable[[], tuple[list, Any]]) -> tuple | None:
         if self.eager or not cotangents:
             return None
-        report().count("guard.dynamo_backward_checks")
+        report().count(Count.DYNAMO_BACKWARD_CHECKS)
         try:
             ref = self._gradients(ref_outs, leaves, cotangents)
         except Exception as exc:  # noqa: BLE001

@@ -80,7 +80,7 @@ except ImportError:  # Windows
 
 from .. import compat
 from ..options import Options
-from ..report import atomic_write_text, report
+from ..report import Count, atomic_write_text, report
 from .kernel_entry import (ARTIFACT, MAX_AGE_DAYS, MAX_TEXT, KernelEntry, current_versions, entry_artifact,
                            parsed_artifact, validated_entry)
 
@@ -450,4 +450,4 @@ def _load_artifact(key: str, content: bytes) -> None:
     log.debug("enn: merged kernel state entry %s from a cache artifact into %s", e.key, state.path)
 
 
-compat.register_cache_artifact(ARTIFACT, _load_artifact, lambda: report().count("cache_artifacts.ignored"))
+compat.register_cache_artifact(ARTIFACT, _load_artifact, lambda: report().count(Count.CACHE_ARTIFACTS_IGNORED))

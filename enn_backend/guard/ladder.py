@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from .. import blame
-from ..report import FallbackKind, report
+from ..report import Count, FallbackKind, GraphCounter, report
 from . import graph_edit as E
 from .calls import LADDER, Call, EnnGuardError, Run, no_autocast
 from .kernel_entry import graph_key, node_key
@@ -91,7 +91,7 @@ class FaultLadder:
     def _check_values(self, out: Any, call: Call) -> Any:
         """Compare this call's results -- outputs and writes into inputs -- with the reference's."""
         rec = self.record
-        rec.counters["value_checks"] = rec.counters.get("value_checks", 0) + 1
+        rec.bump(GraphCounter.VALUE_CHECKS)
         self._full_compiler("a value check")
         ref = self._reference(call)
         if ref.exc is not None:
@@ -105,7 +105,7 @@ class FaultLadder:
         with LADDER:
             if not self._compiled_is_wrong(call, got, ref.results, off):
                 # the reference is the outlier (compiled is as close to fp64): nobody is blamed
-                rec.counters["value_reference_outlier"] = rec.counters.get("value_reference_outlier", 0) + 1
+                rec.bump(GraphCounter.VALUE_REFERENCE_OUTLIER)
                 log.info("enn: graph %s: compiled results %s differ from eager's, but no further from fp64: kept",
                          rec.id, off)
                 return out
@@ -169,7 +169,7 @@ class FaultLadder:
                     else f"NaN/Inf in compiled results: written in place into {', '.join(writes[:6])}")
         self._full_compiler(what)
         ref = self._reference(call)
-        rec.counters["eager_reruns"] = rec.counters.get("eager_reruns", 0) + 1
+        rec.bump(GraphCounter.EAGER_RERUNS)
         if ref.exc is not None:
             self._count_fault()
             R.add_fallback(FallbackKind.EXCEPTION, node="<graph>", phase=phase, graph=rec,
@@ -185,8 +185,8 @@ class FaultLadder:
         return self._reference_nonfinite(what, call, out, ref, bad, values)
 
     def _count_fault(self) -> None:
-        self.record.counters["faults"] = self.record.counters.get("faults", 0) + 1
-        report().count("guard.faults")
+        self.record.bump(GraphCounter.FAULTS)
+        report().count(Count.GUARD_FAULTS)
 
     def _full_compiler(self, what: str) -> None:
         """Make sure the ladder has the graph: a graph loaded from AOTAutograd's cache has a
@@ -377,8 +377,8 @@ class FaultLadder:
             raise EnnGuardError(
                 f"enn (guard=strict): graph {rec.id} (phase {phase}) produces NaN/Inf in eager too: the model's own numerics, not a kernel fault."
             )
-        rec.counters["model_nonfinite"] = rec.counters.get("model_nonfinite", 0) + 1
-        R.count("guard.model_nonfinite")
+        rec.bump(GraphCounter.MODEL_NONFINITE)
+        R.count(Count.GUARD_MODEL_NONFINITE)
         if values:
             # Same NaN/Inf places, other finite values: the reference is the result eager gives.
             self._report_once(FallbackKind.MODEL_NONFINITE, reason=(

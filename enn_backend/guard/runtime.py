@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .. import compat
-from ..report import FallbackKind, GraphRecord, report
+from ..report import FallbackKind, GraphCounter, GraphRecord, report
 from .calls import LADDER, Call, distributed
 from .ladder import FaultLadder
 from .ranks import RankFollower, gather_levels
@@ -91,7 +91,7 @@ class GuardedGraph(RankFollower, FaultLadder):
         # compiled code: on a small CPU graph (tens of microseconds) each Python operation here
         # is a visible share of the call, so what the schedule decides is decided in _scheduled.
         self.calls += 1
-        self.counters["calls"] = self.calls
+        self.counters["calls"] = self.calls  # GraphCounter.CALLS (every call: the plain key)
         if self.calls >= self.due:
             return self._scheduled(args)
         # An unchecked call holds no reference to the inputs: the compiled code's `args.clear()`
@@ -134,7 +134,7 @@ class GuardedGraph(RankFollower, FaultLadder):
             self.due = 0
             return self._after(out, exc, Call(None, None, None, generation), False)
         if check:
-            self.counters["checks"] = self.counters.get("checks", 0) + 1
+            self.record.bump(GraphCounter.CHECKS)
         # Keep our own references to the inputs on the calls the ladder may need them
         # (checked calls; every call in "exceptions" mode, which schedules no checks), and a
         # copy of those the compiled code may write into, so a re-run starts from what this
@@ -198,7 +198,7 @@ class GuardedGraph(RankFollower, FaultLadder):
         return self._returning(run, call)
 
     def _screen_later(self, out: Any) -> None:
-        self.counters["checks"] = self.counters.get("checks", 0) + 1
+        self.record.bump(GraphCounter.CHECKS)
         if self._late is not None:  # (a screen still in flight, with guard_every=1: wait for it)
             self._read_late(wait=True)
         if self._late_host is None:
