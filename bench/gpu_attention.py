@@ -12,6 +12,7 @@ Budget: under 6 minutes on an H100/H200.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -117,7 +118,9 @@ def rmse(a, b):
     return (a.double() - b.double()).pow(2).mean().sqrt().item()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="bench/gpu_attention.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return 0

@@ -10,8 +10,8 @@ Run:  python bench/gpu_compile_profile.py alibi train
 
 from __future__ import annotations
 
+import argparse
 import os
-import sys
 import tempfile
 import time
 
@@ -22,11 +22,16 @@ from enn_backend import models
 from enn_backend.bench.backends import cache_dir, compile_with, warm_up_compiler
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="bench/gpu_compile_profile.py", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", nargs="?", default="alibi", help="a zoo or real-suite model (default: alibi)")
+    ap.add_argument("mode", nargs="?", default="train", choices=("train", "infer"))
+    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return
-    name, mode = (sys.argv[1:3] + ["alibi", "train"][len(sys.argv[1:3]):])[:2]
+    name, mode = args.model, args.mode
     root = tempfile.mkdtemp(prefix="compile-profile-")
     warm_up_compiler("cuda", root, ["inductor", "enn"])  # once-per-process costs, paid before either backend
     for backend in ("inductor", "enn"):

@@ -23,6 +23,7 @@ Shape override for a quick check: EPI_SHAPE=1024x1024x1024.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -78,7 +79,9 @@ def rmse(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.double() - ref).pow(2).mean().sqrt().item()
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="bench/gpu_epilogue.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     if DEV == "cuda" and not torch.cuda.is_available():
         print("gpu_epilogue: needs a CUDA device", file=sys.stderr)
         return 2

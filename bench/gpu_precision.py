@@ -13,6 +13,7 @@ Budget: well under 4 minutes on an H100/H200.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -151,7 +152,9 @@ def stress() -> dict:
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="bench/gpu_precision.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/gpu_precision.py needs a CUDA GPU")
     t0 = time.perf_counter()
