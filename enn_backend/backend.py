@@ -114,9 +114,10 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
     patches.update(compile_fx_defaults(example_inputs, opts, patches))  # options compile_fx itself reads
     # joint_pre runs before Inductor's joint-graph passes (its fuse_attention would take
     # attention patterns first, with other masked-row semantics); joint runs after them.
-    patches["joint_custom_pre_pass"] = PassManager(opts, unit, "joint_pre")
-    patches["joint_custom_post_pass"] = PassManager(opts, unit, "joint")
-    patches["post_grad_custom_post_pass"] = PassManager(opts, unit, "post_grad")
+    said: set[str] = set()  # what the unit's passes said, at whichever stage: each says it once
+    patches["joint_custom_pre_pass"] = PassManager(opts, unit, "joint_pre", said=said)
+    patches["joint_custom_post_pass"] = PassManager(opts, unit, "joint", said=said)
+    patches["post_grad_custom_post_pass"] = PassManager(opts, unit, "post_grad", said=said)
     if opts.emulate_precision_casts:
         patches["emulate_precision_casts"] = True
     inner = make_inner_compile(opts, unit, patches, parse_fault_spec(opts.fault_inject))

@@ -179,3 +179,29 @@ def test_private_torch_imports_live_in_compat():
             bad[m] = found
     assert not bad, f"private torch imports outside enn_backend.compat: {bad}"
     assert "torch._inductor.compile_fx.compile_fx" in _private_torch_imports(sources.module_file("enn_backend.compat.inductor"))
+
+
+# Modules that read what the report recorded, and why: the report is enn's output, and nothing
+# else reads it back to decide what enn does (the guard's ranks send the ladder's decision itself).
+REPORT_READERS = {
+    "enn_backend.report": "the report itself",
+    "enn_backend.aot_cache": "persists a unit's recorded compile-time decisions beside its cached graphs, to "
+                             "replay them on a warm start",
+}
+REPORT_READER_PACKAGES = ("enn_backend.bench", "enn_backend.debug")  # tools that show or save the report
+_REPORT_READS = {"fallbacks", "graphs", "counters", "to_dict", "units"}
+
+
+def test_no_code_reads_the_report_back_to_decide():
+    found = []
+    for name in _modules():
+        if name in REPORT_READERS or name.startswith(REPORT_READER_PACKAGES) or name == "enn_backend.demo":
+            continue
+        with open(sources.module_file(name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr in _REPORT_READS and isinstance(node.value, ast.Call)
+                    and getattr(node.value.func, "id", getattr(node.value.func, "attr", "")) == "report"):
+                found.append(f"{name}:{node.lineno}: report().{node.attr}")
+    assert not found, found
+    assert "enn_backend.guard.ranks" in _modules()  # the walk sees the guard

@@ -40,8 +40,9 @@ PASSES_BY_NAME: dict[str, type[EnnPass]] = {cls.name: cls for cls in PASS_ORDER}
 class PassManager(manager.PassManager):
     """:class:`manager.PassManager` running :data:`PASS_ORDER` unless given other passes."""
 
-    def __init__(self, opts: Options, unit: str, stage: str, passes: Optional[Sequence[type[EnnPass]]] = None) -> None:
-        super().__init__(opts, unit, stage, PASS_ORDER if passes is None else passes)
+    def __init__(self, opts: Options, unit: str, stage: str, passes: Optional[Sequence[type[EnnPass]]] = None,
+                 said: set[str] | None = None) -> None:
+        super().__init__(opts, unit, stage, PASS_ORDER if passes is None else passes, said)
 
 
 __all__ = ["PASS_ORDER", "PASSES_BY_NAME", "AttentionPass", "EnnPass", "EpiloguePass", "FlexConstantsPass",

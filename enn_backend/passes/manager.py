@@ -15,7 +15,7 @@ import hashlib
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator, Sequence
 
 import torch
@@ -103,6 +103,16 @@ class PassContext:
     opts: Options
     unit: str
     stage: str
+    # what this unit's passes have said already, shared by its stages (a site a pass leaves is
+    # there at every stage the pass runs in): each says it once
+    said: set[str] = field(default_factory=set)
+
+    def once(self, text: str) -> bool:
+        """True the first time ``text`` is said for this unit."""
+        if text in self.said:
+            return False
+        self.said.add(text)
+        return True
 
     def fusion(self, kind: str, count: int = 1) -> None:
         report().add_unit_fusion(self.unit, kind, count)
@@ -152,17 +162,19 @@ class EnnPass:
 class PassManager(compat.CustomGraphPass):
     """Runs the enabled ``passes`` of one stage, in order, on a graph."""
 
-    def __init__(self, opts: Options, unit: str, stage: str, passes: Sequence[type[EnnPass]]) -> None:
+    def __init__(self, opts: Options, unit: str, stage: str, passes: Sequence[type[EnnPass]],
+                 said: set[str] | None = None) -> None:
         if stage not in STAGES:
             raise ValueError(f"enn: unknown pass stage {stage!r}; valid: {', '.join(STAGES)}")
         self.opts = opts
         self.unit = unit
         self.stage = stage
         self.passes = [cls(opts) for cls in passes if stage in cls.stages() and getattr(opts, cls.option, True)]
+        self.said = set() if said is None else said  # shared by the PassManagers of one unit
         self.matches: dict[str, int] = {}  # pass name -> matches in the last graph it ran on
 
     def __call__(self, graph: fx.Graph) -> None:
-        ctx = PassContext(self.opts, self.unit, self.stage)
+        ctx = PassContext(self.opts, self.unit, self.stage, self.said)
         if self.passes and self.stage == "joint_pre":
             # The pre pass runs before Inductor's own clean-up: leftover aten.alias / no-op
             # views would hide patterns (TORCH_NOTES). Inductor runs this again later.

@@ -69,8 +69,7 @@ class AttentionPass(EnnPass):
                 count += self._fuse(graph, plan_site(graph, m, self.opts), mode, ctx)
             except Skip as why:
                 reason = f"attention at {n.name} not fused: {why}"
-                if not any(f.graph == ctx.unit and f.reason == reason for f in report().fallbacks):  # once per unit:
-                    # the pass runs at two stages, and a site it leaves is there at both
+                if ctx.once(reason):  # the pass runs at two stages, and a site it leaves is there at both
                     report().add_fallback(FallbackKind.PASS_SKIPPED, node=n.name, phase="compile", graph=ctx.unit,
                                           reason=reason, action="left as written", level=logging.INFO)
         replanned = replan_sdpa_calls(graph, mode, ctx) if mode is not None else 0
