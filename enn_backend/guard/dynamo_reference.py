@@ -252,15 +252,21 @@ class DynamoReference:
         report().count(Count.DYNAMO_REFERENCE_OFF)
         log.info("enn: unit %s: no Dynamo-graph reference from now on: %s", self.unit, why)
 
-    def _run(self, flat: list, before: Before, fp64: bool = False) -> tuple[list, BaseException | None]:
-        """The Dynamo graph, without autograd, on the call's inputs as they were before it (fresh
-        copies of ``before`` for what the unit writes); its outputs followed by what it wrote."""
-        inputs, params = self._inputs(flat, before, fp64)
+    def _run(self, flat: list, before: Before, fp64: bool = False,
+             keep: dict[str, Any] | None = None) -> tuple[list, BaseException | None]:
+        """The Dynamo graph on the call's inputs as they were before it (fresh copies of ``before``
+        for what the unit writes); its outputs followed by what it wrote. Without autograd, unless
+        ``keep`` is given: then with autograd on leaves that require grad where the caller's
+        tensors do, which it keeps (``inputs``, ``params``) for the backward's reference."""
+        grad = keep is not None
+        inputs, params = self._inputs(flat, before, fp64, grad)
         try:
-            with torch.no_grad():
+            with torch.set_grad_enabled(grad):
                 out = list(outputs(self._call(fp64_dynamo_graph(self.gm) if fp64 else self.gm, inputs, params)))
         except Exception as exc:  # noqa: BLE001 - a reference that cannot run judges nothing
             return [], exc
+        if keep is not None:
+            keep.update(inputs=inputs, params=params, outputs=out)
         return out + [inputs[i] for i in before.inputs] + [params[n] for n in before.attrs], None
 
     def _inputs(self, flat: list, before: Before, fp64: bool = False,
@@ -301,7 +307,18 @@ class DynamoReference:
         if rng.moved():
             self._off("it draws random numbers, which differ from eager's by design")
             return out
-        ref, exc = self._run(flat, before)
+        # where the call records a backward, the reference runs with autograd: the backward's
+        # reference differentiates that same run (guard.dynamo_backward_checks)
+        backward = self._backward_of(flat, out)
+        kept: dict[str, Any] = {}
+        ref, exc = self._run(flat, before, keep=kept) if backward else ([], None)
+        if backward and exc is not None:
+            log.info("enn: unit %s: no backward reference (its Dynamo graph raised with autograd: %s: %s)",
+                     self.unit, type(exc).__name__, exc)
+            backward = None
+        if not backward:
+            ref, exc = self._run(flat, before)
+        ref = [r.detach() if isinstance(r, torch.Tensor) else r for r in ref]
         got = self._results(out, flat, before)
         if exc is not None or len(ref) != len(got):
             self._off(f"its Dynamo graph raised when run eagerly ({type(exc).__name__}: {exc})" if exc is not None
@@ -310,7 +327,8 @@ class DynamoReference:
         off, wrong = self._judge(got, ref, lambda: self._run(flat, before, fp64=True))
         if wrong:
             return self._fault(flat, before, off, len(outputs(out)))
-        self._watch_backward(flat, before, out)
+        if backward:
+            self._watch_backward(backward, flat, before, out, kept)
         return out
 
     def _results(self, out: Any, flat: list, before: Before) -> list:
@@ -361,30 +379,29 @@ class DynamoReference:
             return self.gm(*flat)  # with autograd, on the caller's inputs: its writes land there
 
     # ------------------------------------------------------------------ the backward
-    def _watch_backward(self, flat: list, before: Before, out: Any) -> None:
-        """Where this call records a backward: run the Dynamo graph with autograd now, and compare
-        the gradients the compiled backward gives with its own when that backward runs."""
+    def _backward_of(self, flat: list, out: Any) -> tuple[Any, list] | None:
+        """Where this call records a backward: AOT Autograd's backward node among its outputs'
+        history, and which of the unit's tensors its gradients go to; else None."""
         outs = list(outputs(out))
         if not torch.is_grad_enabled() or not any(isinstance(o, torch.Tensor) and o.requires_grad for o in outs):
-            return
+            return None
         node = _backward_node(outs)
         targets = _gradient_targets(node, flat, self.state) if node is not None else []
-        if not targets:
-            return
-        inputs, params = self._inputs(flat, before, grad=True)
-        try:
-            with torch.enable_grad():
-                ref_outs = list(outputs(self._call(self.gm, inputs, params)))
-        except Exception as exc:  # noqa: BLE001
-            log.info("enn: unit %s: no backward reference (its Dynamo graph raised with autograd: %s: %s)",
-                     self.unit, type(exc).__name__, exc)
-            return
+        return (node, targets) if targets else None
+
+    def _watch_backward(self, backward: tuple[Any, list], flat: list, before: Before, out: Any,
+                        kept: dict[str, Any]) -> None:
+        """Compare the gradients the compiled backward gives with those of the reference run in
+        ``kept`` (the Dynamo graph with autograd, on this call), when that backward runs."""
+        node, targets = backward
+        outs, ref_outs = list(outputs(out)), kept["outputs"]
         if len(ref_outs) != len(outs):
             return
         cotangents: dict[int, torch.Tensor] = {}
         for j, o in enumerate(outs):
             if isinstance(o, torch.Tensor) and o.requires_grad:
                 o.register_hook(functools.partial(_keep, cotangents, j))
+        inputs, params = kept["inputs"], kept["params"]
         leaves = [inputs[key[1]] if key[0] == "input" else params[key[1]] for _, key in targets]
 
         def compare(grad_inputs: tuple, grad_outputs: tuple) -> tuple | None:
