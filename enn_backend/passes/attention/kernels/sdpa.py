@@ -172,7 +172,7 @@ def _cudnn_bwd(c: Call) -> tuple[tuple, dict]:
 
 
 # Backend -> its ATen ops. grouped_kv: cuDNN and flash take grouped K/V forward and backward, their
-# output and dK/dV equal to the repeated call's (dK/dV summed per group) (bench/gpu_gqa_kernels.py,
+# output and dK/dV equal to the repeated call's (dK/dV summed per group) (bench/results/gpu-h100/gqa_kernels.log,
 # H100, torch 2.11); memory-efficient refuses them ("Expected query.size(2) == key.size(2)"); CPU
 # flash takes them, forward and backward, on torch 2.11, 2.13 and 2.15 (checked against the
 # repeated call; tests/test_attention_gqa.py on the installed torch).
