@@ -359,22 +359,24 @@ class DynamoReference:
                      self.unit, off)
         return off, wrong
 
-    def _what(self, where: str, phase: str) -> str:
-        return (f"the compiled {phase} and enn's eager copy (the graph AOT Autograd traced, decompositions applied) "
-                f"differ from the graph Dynamo handed over ({where}), and an fp64 run sides with Dynamo's graph")
+    def _fall_back(self, where: str, phase: str, returned: str) -> None:
+        """The compiled unit is wrong where the Dynamo graph is right: raise (strict), or record it
+        and run the Dynamo graph eagerly from now on. Called under the ladder's lock."""
+        what = (f"the compiled {'backward' if phase == 'backward' else 'result'} and enn's eager copy (the graph AOT "
+                f"Autograd traced, decompositions applied) differ from the graph Dynamo handed over ({where}), and "
+                "an fp64 run sides with Dynamo's graph")
+        if self.opts.guard.raises:
+            raise EnnGuardError(f"enn (guard=strict): unit {self.unit}: {what}. Set guard='nonfinite' to fall back "
+                                "automatically.")
+        report().add_fallback(FallbackKind.DYNAMO_GRAPH, node="<graph>", phase=phase, graph=self.unit, reason=what,
+                              action=f"returned {returned}; the unit runs the Dynamo graph eagerly from now on")
+        self.eager, self.due = True, 0
 
     def _fault(self, flat: list, before: Before, off: list[int], n_out: int) -> Any:
         written = [f"input {i}" for i in before.inputs] + [f"{n}" for n in before.attrs]
         where = ", ".join(f"output {i}" if i < n_out else f"{written[i - n_out]} (written in place)" for i in off[:6])
-        what = self._what(where, "result")
-        if self.opts.guard.raises:
-            raise EnnGuardError(f"enn (guard=strict): unit {self.unit}: {what}. Set guard='nonfinite' to fall back "
-                                "automatically.")
         with LADDER:
-            report().add_fallback(FallbackKind.DYNAMO_GRAPH, node="<graph>", phase="forward", graph=self.unit,
-                                  reason=what, action="returned the Dynamo graph's result (gradients through its "
-                                  "eager ops); the unit runs the Dynamo graph eagerly from now on")
-            self.eager, self.due = True, 0
+            self._fall_back(where, "forward", "the Dynamo graph's result (gradients through its eager ops)")
             before.restore(flat, self.state)  # what the compiled call wrote is undone: the Dynamo graph writes once
             return self.gm(*flat)  # with autograd, on the caller's inputs: its writes land there
 
@@ -443,15 +445,9 @@ class DynamoReference:
         if not wrong:
             return None
         names = [f"input {key[1]}" if key[0] == "input" else key[1] for _, key in targets]
-        what = self._what(", ".join(f"gradient of {names[i]}" for i in off[:6]), "backward")
-        if self.opts.guard.raises:
-            raise EnnGuardError(f"enn (guard=strict): unit {self.unit}: {what}. Set guard='nonfinite' to fall back "
-                                "automatically.")
         with LADDER:
-            report().add_fallback(FallbackKind.DYNAMO_GRAPH, node="<graph>", phase="backward", graph=self.unit,
-                                  reason=what, action="returned the Dynamo graph's gradients (its eager ops' "
-                                  "backward); the unit runs the Dynamo graph eagerly from now on")
-            self.eager, self.due = True, 0
+            self._fall_back(", ".join(f"gradient of {names[i]}" for i in off[:6]), "backward",
+                            "the Dynamo graph's gradients (its eager ops' backward)")
         fixed = list(grad_inputs)
         for (k, _), r, g in zip(targets, ref, got):
             fixed[k] = r.to(g.dtype)
