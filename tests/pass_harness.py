@@ -158,8 +158,8 @@ def _flat(x: Any) -> list[torch.Tensor]:
 
 class _Recording(PassManager):
     def __init__(self, opts: Options, unit: str, stage: str, passes: Sequence[type[EnnPass]],
-                 runs: list[StageRun]) -> None:
-        super().__init__(opts, unit, stage, passes)
+                 runs: list[StageRun], said: set[str]) -> None:
+        super().__init__(opts, unit, stage, passes, said=said)
         self.runs = runs
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -185,8 +185,9 @@ def run_passes(fn: Callable[..., Any], inputs: Sequence[Any], passes: Sequence[s
     unit = report().new_unit()
     runs: list[StageRun] = []
     stages = {s for cls in classes for s in cls.stages()}
-    patches = {_STAGE_PATCH[s]: _Recording(opts, unit, s, classes, runs) for s in stages if s != "post_grad"}
-    post_grad = _Recording(opts, unit, "post_grad", classes, runs) if "post_grad" in stages else None
+    said: set[str] = set()  # one unit's stages share what their passes said, as under the backend
+    patches = {_STAGE_PATCH[s]: _Recording(opts, unit, s, classes, runs, said) for s in stages if s != "post_grad"}
+    post_grad = _Recording(opts, unit, "post_grad", classes, runs, said) if "post_grad" in stages else None
 
     def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Callable[[list], Any]:
         if post_grad is not None:

@@ -218,7 +218,8 @@ def test_the_guard_uses_its_graph_through_two_typed_seams():
         torch.compile(model, backend="enn", options=ISOLATED)(x)
     (record,) = enn_backend.report().graphs
     guard = next(o for o in gc.get_objects() if type(o) is GuardedGraph and o.record is record)
-    assert isinstance(guard.compiler, GuardedCompiler)
+    assert isinstance(guard.compiler, GraphFacts)  # a stand-in, if an earlier test cached the same graph
+    assert isinstance(guard.compiler.full(), GuardedCompiler)
     meta = {"phase": "forward", "graph_key": "k", "mutated": [], "random": False}
     stand_in = CachedGraph(SimpleNamespace(opts=Options()), meta, guard.record)
     assert isinstance(stand_in, GraphFacts) and not isinstance(stand_in, GuardedCompiler)
