@@ -1,7 +1,9 @@
 """The guard's fallback ladder: what :class:`~enn_backend.guard.runtime.GuardedGraph` does
 when a call raised, gave NaN/Inf, or (on a value check) gave values off eager's.
 
-Re-run the eager reference on the call's inputs, then: eager fails too -> the model's own
+Re-run the eager reference on the call's inputs (every re-run on copies of what the call may
+write: the caller's tensors are written once, by the result returned; calls.Call), then:
+eager fails too -> the model's own
 error, raised; NaN/Inf at eager's places -> the model's own values (or, in low precision, an
 fp32 retry that pins the graph to fp32); otherwise a kernel fault -> localize the culprit
 node(s) with trial recompiles, pin them to eager, adopt the new fast path, write a repro.
@@ -12,7 +14,6 @@ its decision (:mod:`.ranks`).
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -67,11 +68,9 @@ class FaultLadder:
                         out = run(*inputs)
                 else:
                     out = run(list(inputs))
-        except torch.OutOfMemoryError:
-            if not eager:
-                raise
-            return Run(None, inputs, self.compiler.mutated, sys.exc_info()[1])
         except Exception as exc:  # noqa: BLE001
+            if not eager and isinstance(exc, torch.OutOfMemoryError):
+                raise
             return Run(None, inputs, self.compiler.mutated, exc)
         return Run(list(outputs(out)), inputs, self.compiler.mutated, None)
 
