@@ -29,7 +29,7 @@ from .attention_rewrites import (  # noqa: F401
     inductor_attention_rewrites, inductor_attention_rewrites_off, is_inductor_attention_rewrite)
 from .cache_artifacts import record_cache_artifact, register_cache_artifact  # noqa: F401
 from .dynamo_aot import (  # noqa: F401
-    FXGraphCacheMiss, aot_cache_hits, aot_metadata, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,
+    FXGraphCacheMiss, aot_cache_hits, aot_metadata, is_aot_backward_node, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,
     copy_dynamo_graph, current_tracing_context, donated_inputs, eager_backward_compile, forward_results, functorch_config,
     is_dynamo_control_flow, keep_out_of_aot_cache, mutated_flat_inputs, no_aot_autograd_cache, saved_tensors_kept,
     tracing_context)

@@ -207,6 +207,13 @@ def mutated_flat_inputs(metadata: Any, n_flat: int) -> list[int] | None:
             if a.mutates_data or a.mutates_metadata or getattr(a, "mutation_inductor_storage_resize", False)]
 
 
+def is_aot_backward_node(node: Any) -> bool:
+    """Is ``node`` (an autograd graph node) the backward of a call of AOT Autograd's compiled
+    function? Its ``torch.autograd.Function`` is ``CompiledFunction`` (``_aot_autograd/
+    runtime_wrappers.py``, 2.11 - 2.15), so its node is named ``CompiledFunctionBackward``."""
+    return type(node).__name__ == "CompiledFunctionBackward"
+
+
 @contextlib.contextmanager
 def tracing_context(ctx: Any) -> Iterator[None]:
     """Re-enter the tracing context a graph was first compiled under (for recompiles)."""

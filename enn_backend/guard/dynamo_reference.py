@@ -157,7 +157,7 @@ def _backward_node(outs: list) -> Any:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if type(node).__name__ == "CompiledFunctionBackward":
+        if compat.is_aot_backward_node(node):
             return node
         todo += [n for n, _ in node.next_functions if n is not None][:4]
     return None
