@@ -262,7 +262,7 @@ def run_aten(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
 
 KERNELS = {"cublaslt": run_cublaslt, "onednn": run_onednn, "aten": run_aten, "inductor": run_aten}
 
-_FAILED: set[tuple] = set()
+_FAILED: set[tuple] = set()  # process-wide: the kernels that failed here (a set add is atomic under the GIL)
 
 
 def _run_with_ladder(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], act: str) -> torch.Tensor:

@@ -369,7 +369,7 @@ class Options:
 # ENN_* variables that are not options (read by tools, not by the backend).
 _NON_OPTION_ENV = frozenset({"ENN_BENCH_OUT", "ENN_DEBUG_GRAPHS"})
 
-_warned_env: set[str] = set()
+_warned_env: set[str] = set()  # process-wide: the unknown variables warned about (a race warns twice at worst)
 
 
 def _warn_unknown_env(name: str, known: Mapping[str, Any]) -> None:

@@ -5,6 +5,7 @@ and saturated rows (every key at ``finfo.min``)."""
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Optional
 
 import torch
@@ -46,17 +47,20 @@ def alibi_bias(slopes: torch.Tensor, tq: int, tk: int, dtype: torch.dtype) -> to
 # half the work skipped). The cache holds the checked tensor itself, so its memory cannot
 # be reused by another tensor while cached, and keys on its version counter, which every
 # in-place write bumps: a changed mask is checked again.
+# Process-wide, read and written by every thread that runs the op: under _MASK_LOCK.
 _MASK_CACHE: "collections.OrderedDict[tuple, tuple[torch.Tensor, str]]" = collections.OrderedDict()
 _MASK_CACHE_SIZE = 16
+_MASK_LOCK = threading.Lock()
 
 
 def _square_mask_structure(mask: torch.Tensor, t: int) -> str:
     """'causal', 'all' (keeps every key) or 'other' for a bool [.., t, t] mask of leading 1-dims."""
     key = (mask.device, mask.data_ptr(), tuple(mask.shape), mask.stride(), mask._version)
-    hit = _MASK_CACHE.get(key)
-    if hit is not None:
-        _MASK_CACHE.move_to_end(key)
-        return hit[1]
+    with _MASK_LOCK:
+        hit = _MASK_CACHE.get(key)
+        if hit is not None:
+            _MASK_CACHE.move_to_end(key)
+            return hit[1]
     m2 = mask.reshape(t, t)
     if bool(m2.all()):
         kind = "all"
@@ -64,9 +68,10 @@ def _square_mask_structure(mask: torch.Tensor, t: int) -> str:
         kind = "causal"
     else:
         kind = "other"
-    _MASK_CACHE[key] = (mask, kind)
-    if len(_MASK_CACHE) > _MASK_CACHE_SIZE:
-        _MASK_CACHE.popitem(last=False)
+    with _MASK_LOCK:
+        _MASK_CACHE[key] = (mask, kind)
+        if len(_MASK_CACHE) > _MASK_CACHE_SIZE:
+            _MASK_CACHE.popitem(last=False)
     return kind
 
 

@@ -101,6 +101,8 @@ except ImportError:  # pragma: no cover - a torch without it (older, or moved)
     def should_bundle_autograd_cache() -> bool:  # type: ignore[misc]
         return True
 
+# Process-wide: the handlers of the enn compiles in progress, innermost last; pushed and popped
+# under Dynamo's compile lock, which every compile holds.
 _AOT_HANDLERS: list[Callable[..., Any]] = []
 
 

@@ -346,6 +346,8 @@ def _signature(st: os.stat_result) -> tuple:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+# Process-wide: one KernelState per state file (or per in-memory slot), and whether the pins were
+# announced; both under _STATES_LOCK (each KernelState locks its own entries).
 _STATES: dict[str, KernelState] = {}
 _STATES_LOCK = threading.Lock()
 _pins_announced = False

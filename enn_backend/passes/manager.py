@@ -78,6 +78,8 @@ class ModuleState:
             self.assumed[index] = value.detach().clone()
 
 
+# Process-wide: the module state of the enn compiles in progress, innermost last; pushed and
+# popped under Dynamo's compile lock, which every compile holds.
 _MODULE_STATE: list[ModuleState] = []
 
 
