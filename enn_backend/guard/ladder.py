@@ -272,6 +272,7 @@ class FaultLadder:
             return kept if kept is not None else self.compiler.build(extra_pins=pins)
 
         trial_cache: dict[frozenset[str], Any] = {}
+        eager = False  # the graph runs eagerly from now on
         known = self.compiler.recorded_pins()
         if known and not reproduces(known):
             # kernel state learned these kernels' fault since this graph was compiled
@@ -298,6 +299,7 @@ class FaultLadder:
                           "kernel is at fault on this evidence; value checks of this graph are off from now on")
                 self.schedule = replace(self.schedule, value_every=0, values_always=False)
             elif loc is None:
+                eager = True
                 nodes, action = "<graph>", "graph runs eagerly from now on (pinning every op did not remove the fault)"
                 new = self.compiler.eager_callable()
             else:
@@ -323,7 +325,7 @@ class FaultLadder:
                 f"Set guard='nonfinite' to fall back automatically."
             ) from exc
         self._apply(Decision(FallbackKind(kind), nodes, frozenset(loc.pinned) if loc else frozenset(), fp32=False,
-                             eager=loc is None and kind != "value" and localized, reason=what,
+                             eager=eager, reason=what,
                              action=action + no_cudagraphs), new, sites)
         result = self._returning(ref, call)
         if localized:
