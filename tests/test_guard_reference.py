@@ -15,6 +15,7 @@ import enn_backend
 from enn_backend import backend as backend_module
 from enn_backend import compat
 from enn_backend.guard import graph_edit as E
+from enn_backend.guard.ladder import FaultLadder
 from enn_backend.guard import runtime as R
 from enn_backend.guard import screen as S
 
@@ -47,7 +48,7 @@ def test_backward_rerun_reads_the_inputs_it_was_given(monkeypatch):
         spy._boxed_call = True
         self.compiled = spy
 
-    rerun = R.GuardedGraph._rerun
+    rerun = FaultLadder.rerun
 
     def spying_rerun(self, run, call, eager):
         if self.record.phase == "backward" and eager:
@@ -55,7 +56,7 @@ def test_backward_rerun_reads_the_inputs_it_was_given(monkeypatch):
         return rerun(self, run, call, eager)
 
     monkeypatch.setattr(R.GuardedGraph, "__init__", spying_init)
-    monkeypatch.setattr(R.GuardedGraph, "_rerun", spying_rerun)
+    monkeypatch.setattr(FaultLadder, "rerun", spying_rerun)
     model, x = make("block")
     # localize_budget=0: the re-run is under test, not the search for the culprit (all suspects pinned)
     compiled = torch.compile(model, backend="enn",

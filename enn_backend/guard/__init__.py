@@ -12,7 +12,7 @@ by the result the guard returns (``calls.Call``).
 
 Modules: ``runtime`` (GuardedGraph, the callable Inductor's output is wrapped in: the fast
 path), ``schedule`` (what each call does: the state diagram, as a pure function), ``ladder``
-(its fallback ladder and the Decision it applies), ``seams`` (what the guard uses of the graph it
+(the fallback ladder: the Outcome of a faulty call and the Decision the graph applies), ``seams`` (what the guard uses of the graph it
 guards), ``ranks`` (one guard for all ranks of a distributed run), ``dynamo_reference`` (the
 unit's check against the graph Dynamo handed over, gradients included), ``calls`` (what it
 holds of a call, the re-run rule; EnnGuardError), ``screen`` (NaN/Inf and value

@@ -44,7 +44,7 @@ import collections
 import json
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -52,7 +52,11 @@ from .. import compat
 from ..report import FallbackKind, report
 from .calls import LADDER, EnnGuardError, distributed
 from .kernel_entry import graph_key
+from .ladder import Decision
 from .screen import nonfinite_outputs
+
+if TYPE_CHECKING:
+    from .runtime import GuardedGraph
 
 
 class RanksError(EnnGuardError):
@@ -230,73 +234,74 @@ class FellBack(Exception):
 
 
 # ------------------------------------------------------------------ run time
-class RankFollower:
-    """What :class:`~enn_backend.guard.runtime.GuardedGraph` does on an agreed call where some
-    rank faulted: the leader runs the ladder and shares its decision, the others apply it."""
+def across_ranks(graph: "GuardedGraph", levels: list[int], call: Any, exc: BaseException | None, bad: list,
+                 out: Any) -> Any:
+    """An agreed call of ``graph`` where some rank faulted: the leader (the lowest such rank)
+    runs its ladder and sends the decision it returned; every other rank applies it."""
+    leader = next(r for r, level in enumerate(levels) if level)
+    me = rank()
+    with LADDER:
+        if me != leader:
+            return _follow(graph, share(leader), leader, call, out, exc if levels[me] else None)
+        try:
+            outcome = graph.ladder.on_fault("exception" if exc is not None else "nonfinite", call, exc=exc, bad=bad,
+                                            out=out)
+            result = graph.settle(outcome, call)
+        except Exception as e:  # noqa: BLE001 - every rank raises what the leader raised
+            msg = (f"enn: graph {graph.record.id} on rank {leader} of {len(levels)}: {type(e).__name__}: "
+                   f"{e}"[:4000] + " (raised on every rank)")
+            share(leader, {"error": msg})
+            raise RanksError(msg) from e
+        share(leader, _sent(graph, outcome.decision))
+        return result
 
-    def _across_ranks(self, levels: list[int], call: Any, exc: BaseException | None, bad: list, out: Any) -> Any:
-        leader = next(r for r, level in enumerate(levels) if level)
-        me = rank()
-        with LADDER:
-            if me != leader:
-                return self._follow(share(leader), leader, call, out, exc if levels[me] else None)
-            generation, self.decision = self.generation, None
-            try:
-                result = self._on_fault("exception" if exc is not None else "nonfinite", call, exc=exc, bad=bad,
-                                        out=out)
-            except Exception as e:  # noqa: BLE001 - every rank raises what the leader raised
-                msg = (f"enn: graph {self.record.id} on rank {leader} of {len(levels)}: {type(e).__name__}: "
-                       f"{e}"[:4000] + " (raised on every rank)")
-                share(leader, {"error": msg})
-                raise RanksError(msg) from e
-            share(leader, self._shared(generation))
-            return result
 
-    def _shared(self, generation: int) -> dict[str, Any]:
-        """What the leader sends: the decision its ladder returned (guard.ladder.Decision), with
-        the graph's code hash and its whole pin set (by node name, the same on every rank that
-        compiled the same code), fp32, eager, and the infinities it learned to be the model's own."""
-        c, d = self.compiler, self.decision
-        return {"error": None, "changed": self.generation != generation, "key": graph_key(c.eager_gm),
-                "allowed": self.allowed,
-                "pinned": sorted(c.pinned_names), "fp32": bool(c.fp32), "eager": self.record.path == "eager",
-                "kind": d.kind.value if d else FallbackKind.NONFINITE.value,
-                "node": d.nodes if d else "<graph>", "reason": d.reason if d else ""}
+def _sent(graph: "GuardedGraph", d: Decision | None) -> dict[str, Any]:
+    """What the leader sends: the decision its ladder returned (None: the graph did not change),
+    as data, with the graph's code hash, its whole pin set (by node name, the same on every rank
+    that compiled the same code), and the infinities it learned to be the model's own."""
+    c = graph.compiler
+    return {"error": None, "key": graph_key(c.eager_gm), "allowed": graph.allowed,
+            "pinned": sorted(c.pinned_names), "fp32": bool(c.fp32),
+            "decision": None if d is None else {"kind": d.kind.value, "nodes": d.nodes, "fp32": d.fp32,
+                                                "eager": d.eager, "reason": d.reason}}
 
-    def _follow(self, d: dict[str, Any], leader: int, call: Any, out: Any, exc: BaseException | None) -> Any:
-        """Apply the leader's decision ``d``: at most one rebuild, no localization, no repro.
-        ``out`` / ``exc``: this rank's result (``exc`` None on a rank that did not fault)."""
-        if d["error"] is not None:
-            raise RanksError(d["error"])
-        c, rec = self.compiler, self.record
-        if d["key"] == graph_key(c.eager_gm):  # the infinities the leader found to be the model's own
-            self.allowed.update({int(i): v for i, v in d["allowed"].items()})
-        if d["changed"]:
-            t0 = time.perf_counter()
-            if d["key"] != graph_key(c.eager_gm):
-                new, rec.path = c.eager_callable(), "eager"
-                c.adopt(new)
-                action = (f"this graph runs eagerly: its code differs from rank {leader}'s, so rank {leader}'s pins "
-                          "cannot be named here")
-            elif d["eager"]:
-                new, rec.path = c.eager_callable(), "eager"
-                c.adopt(new)
-                action = f"this graph runs eagerly, as on rank {leader} (no localization here)"
-            else:
-                extra, fp32 = frozenset(d["pinned"]) - c.pinned_names, d["fp32"]
-                new = c.build(extra_pins=extra, fp32=fp32) if extra or fp32 != c.fp32 else self.compiled
-                c.adopt(new, pins=extra, fp32=fp32)
-                rebuilt = "1 recompile" if new is not self.compiled else "no recompile (the pins were already here)"
-                action = (f"adopted rank {leader}'s decision: {len(c.pinned_names)} op(s) pinned"
-                          f"{', fp32 compute' if fp32 else ''}; {rebuilt} in {time.perf_counter() - t0:.1f}s, "
-                          "no localization on this rank")
-            self._adopt(new)
-            report().add_fallback(FallbackKind(d["kind"]), node=d["node"], phase=rec.phase, graph=rec,
-                                  reason=f"rank {leader}: {d['reason']}", action=action)
-        if exc is None and not nonfinite_outputs(self._results(out, call), self.allowed):
-            return out  # this rank's own result is right
-        # this rank faulted too: its answer is its eager reference
-        ref = self._reference(call)
-        if ref.exc is not None:
-            raise ref.exc
-        return self._returning(ref, call)
+
+def _follow(graph: "GuardedGraph", d: dict[str, Any], leader: int, call: Any, out: Any,
+            exc: BaseException | None) -> Any:
+    """Apply the leader's decision ``d`` through ``graph.apply``: at most one rebuild, no
+    localization, no repro. ``out`` / ``exc``: this rank's result (``exc`` None on a rank that
+    did not fault)."""
+    if d["error"] is not None:
+        raise RanksError(d["error"])
+    c, ladder = graph.compiler, graph.ladder
+    same_code = d["key"] == graph_key(c.eager_gm)
+    if same_code:  # the infinities the leader found to be the model's own
+        graph.allowed.update({int(i): v for i, v in d["allowed"].items()})
+    sent = d["decision"]
+    if sent is not None:
+        t0 = time.perf_counter()
+        pins, fp32 = frozenset(), False
+        if not same_code:
+            new, eager = c.eager_callable(), True
+            action = (f"this graph runs eagerly: its code differs from rank {leader}'s, so rank {leader}'s pins "
+                      "cannot be named here")
+        elif sent["eager"]:
+            new, eager = c.eager_callable(), True
+            action = f"this graph runs eagerly, as on rank {leader} (no localization here)"
+        else:
+            pins, fp32, eager = frozenset(d["pinned"]) - c.pinned_names, d["fp32"], False
+            new = c.build(extra_pins=pins, fp32=fp32) if pins or fp32 != c.fp32 else graph.compiled
+            rebuilt = "1 recompile" if new is not graph.compiled else "no recompile (the pins were already here)"
+            action = (f"adopted rank {leader}'s decision: {len(c.pinned_names | pins)} op(s) pinned"
+                      f"{', fp32 compute' if fp32 else ''}; {rebuilt} in {time.perf_counter() - t0:.1f}s, "
+                      "no localization on this rank")
+        graph.apply(Decision(FallbackKind(sent["kind"]), sent["nodes"], pins, fp32=fp32, eager=eager,
+                             reason=f"rank {leader}: {sent['reason']}", action=action), new)
+    if exc is None and not nonfinite_outputs(ladder.results(out, call), graph.allowed):
+        return out  # this rank's own result is right
+    # this rank faulted too: its answer is its eager reference
+    ref = ladder.reference(call)
+    if ref.exc is not None:
+        raise ref.exc
+    return ladder.returning(ref, call)

@@ -1,26 +1,35 @@
 """GuardedGraph: the callable that wraps each graph Inductor compiled for enn.
 
-AOT Autograd calls it with a boxed list of inputs (forward: primals; backward:
-saved tensors + tangents), and it returns the graph's outputs. On the fast path it
-adds one NaN/Inf screen of the outputs and of what it wrote into its inputs (one host sync) and,
-for graphs that write into their inputs, a copy of those inputs so that no re-run writes into
-the caller's tensors (:class:`.calls.Call`).
-A call that faults goes down the fallback ladder (:mod:`.ladder`, GuardedGraph's base class).
-Under torch.distributed the calls it can re-run are agreed on by every rank (:mod:`.ranks`).
+AOT Autograd calls it with a boxed list of inputs (forward: primals; backward: saved tensors +
+tangents), and it returns the graph's outputs. On the fast path it adds one NaN/Inf screen of
+the outputs and of what it wrote into its inputs (one host sync) and, for graphs that write into
+their inputs, a copy of those inputs so that no re-run writes into the caller's tensors
+(:class:`.calls.Call`).
+
+Three parts, each with its own state:
+
+- **the schedule** (:class:`.schedule.Schedule`, pure): what a call does -- bare, screened,
+  screened late, value-checked -- from its call counts;
+- **the fast path** (here): the artifact that runs, the call counts, the late screen in flight;
+- **the fallback ladder** (:class:`.ladder.FaultLadder`): what a faulty or checked call
+  returns, and the :class:`.ladder.Decision` that changes the fast path. A decision takes effect
+  in one place, :meth:`GuardedGraph.apply`, whether this graph's ladder made it or, under
+  torch.distributed, another rank's (:mod:`.ranks`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
 
 from .. import compat
 from ..report import FallbackKind, GraphCounter, GraphRecord, report
+from . import ranks
 from .calls import LADDER, Call, distributed
-from .ladder import FaultLadder
-from .ranks import RankFollower, gather_levels
+from .ladder import Decision, FaultLadder, Outcome
 from .schedule import Action, Schedule
 from .seams import GraphFacts
 from .screen import LateScreen, nonfinite_outputs, outputs, single_cuda_device
@@ -30,50 +39,79 @@ log = logging.getLogger(__name__)
 _OK, _NONFINITE, _EXCEPTION = 0, 1, 2
 
 
-class GuardedGraph(RankFollower, FaultLadder):
-    """Fast path (here) + the fallback ladder (FaultLadder) for one compiled graph (see enn_backend.guard);
-    under torch.distributed, the ranks' agreement (RankFollower)."""
+class GuardedGraph:
+    """One compiled graph behind the guard: the fast path, its schedule, and its ladder."""
 
     def __init__(self, compiler: GraphFacts, compiled: Callable[[list], Any], record: GraphRecord) -> None:
-        # the graph's compiler, or a cache-loaded graph's stand-in until the ladder needs the graph
-        # (FaultLadder._full_compiler makes it the full GuardedCompiler): guard.seams
-        self.compiler: Any = compiler
-        self.compiled = compiled
+        self.facts = compiler  # what the fast path reads of the graph (guard.seams.GraphFacts)
+        self.ladder = FaultLadder(compiler, record, compiler.opts)
+        self.compiled = compiled  # the fast path: the artifact a call runs
         self.record = record
-        self.opts = compiler.opts
-        self.mode = self.opts.guard
+        self.counters = record.counters  # the report's counters for this graph, updated per call
+        opts, mode = compiler.opts, compiler.opts.guard
         # value checks: every checked call in "values" mode, else the first call of each
-        # artifact and every `guard_values`-th call; never where random draws differ by design
+        # artifact and every `guard_values`-th call; never where random draws differ by design;
         # never under torch.distributed: a rank's value check would not be agreed on (see .ranks)
-        values = self.mode.checks_outputs and not compiler.random and not distributed()
-        self.schedule = Schedule(warmup=self.opts.guard_warmup, every=self.opts.guard_every,
-                                 value_every=self.opts.guard_values if values else 0,
-                                 values_always=self.mode.checks_every_value and values,
-                                 checks_outputs=self.mode.checks_outputs, keep_inputs=self.mode.keeps_inputs)
+        values = mode.checks_outputs and not compiler.random and not distributed()
+        self.schedule = Schedule(warmup=opts.guard_warmup, every=opts.guard_every,
+                                 value_every=opts.guard_values if values else 0,
+                                 values_always=mode.checks_every_value and values,
+                                 checks_outputs=mode.checks_outputs, keep_inputs=mode.keeps_inputs)
         # a graph loaded from AOTAutograd's cache was checked when it was compiled; checking its
         # first call again would trace it again, which a warm start exists to avoid
         self.first_call_values = not compiler.from_cache
-        self.low_precision: bool | None = None  # does the graph compute in fp16/bf16? (on the first value check)
-        self.counters = record.counters  # the report's counters for this graph, updated per call
+        self.allowed = self.ladder.allowed  # infinities the ladder found to be the model's own (the screen skips them)
         self.calls = 0
         self.built_at = 0  # the call count when the current artifact was built (see since_build)
         # The first call number that is not a bare call of the compiled code -- a check, the
         # warm-up, a late screen to read -- decided by the slow path (_scheduled) for the calls
         # up to it, so that every call before it costs one comparison. 0: the next call decides.
         self.due = 0
-        self.written = compiler.written  # inputs a compiled call may write into: copied on checked calls
-        self.random = compiler.random
-        self.inputs_are_primals = compiler.phase != "backward"  # parameters, buffers, user inputs
-        self.allowed: dict[int, str] = {}  # output -> the infinities the reference makes there too
-        self.reported: set[FallbackKind] = set()  # kinds reported once per graph, repeats counted
         self.generation = 0  # bumped whenever the fast path changes (see LADDER)
-        self.decision: Any = None  # the ladder's last decision (guard.ladder.Decision), for the other ranks
+        self.decision: Decision | None = None  # the last decision applied
         # steady-state samples of a graph whose outputs live on one GPU are screened there and
         # read back later (a host sync would stall the launch queue: +3-7% on a short step)
         self.screen_later: bool | None = None  # decided by the first synchronously checked call
         self._late: LateScreen | None = None
         self._late_host: torch.Tensor | None = None
         self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
+
+    @property
+    def compiler(self) -> Any:
+        """The graph's compiler as the ladder has it (a cache-loaded graph's stand-in until the
+        ladder first needs the graph)."""
+        return self.ladder.compiler
+
+    # --------------------------------------------------------------- decisions
+    def apply(self, decision: Decision, new: Callable[[list], Any] | None) -> None:
+        """The one place a decision takes effect: reported once; the graph's pins, fp32, path and
+        schedule updated; ``new`` (None: the current artifact) made the fast path."""
+        rec = self.record
+        report().add_fallback(decision.kind, node=decision.nodes, phase=rec.phase, graph=rec,
+                              reason=decision.reason, action=decision.action, sites=list(decision.sites))
+        if decision.eager:
+            rec.path = "eager"
+        if decision.value_checks_off:
+            self.schedule = replace(self.schedule, value_every=0, values_always=False)
+        new = self.compiled if new is None else new
+        self.compiler.adopt(new, pins=decision.pins, fp32=decision.fp32)
+        # The artifact first compiled is no longer the graph's: it must not reach AOTAutograd's
+        # cache (enn_backend.aot_cache) if that saves it later.
+        self.__dict__.pop("_fx_graph_cache_key", None)
+        self.compiled, self.since_build = new, 0
+        self.generation += 1
+        self.first_call_values = True
+        self.decision = decision
+
+    def settle(self, outcome: Outcome, call: Call) -> Any:
+        """What a call that went down the ladder returns: the decision applied first, then the
+        result (a re-run's writes committed into the caller's inputs), then any repro written."""
+        if outcome.decision is not None:
+            self.apply(outcome.decision, outcome.fast_path)
+        result = outcome.outputs if outcome.run is None else self.ladder.returning(outcome.run, call)
+        if outcome.repro is not None:
+            self.compiler.write_repro(**outcome.repro)
+        return result
 
     # --------------------------------------------------------------- fast path
     @property
@@ -120,7 +158,7 @@ class GuardedGraph(RankFollower, FaultLadder):
         generation = self.generation
         if not action.holds_inputs:
             out, exc = None, None
-            written = [args[i] for i in self.compiler.mutated] if later else []  # screened with the outputs
+            written = [args[i] for i in self.facts.mutated] if later else []  # screened with the outputs
             try:
                 out = self.compiled(args)
             except torch.OutOfMemoryError:
@@ -139,7 +177,7 @@ class GuardedGraph(RankFollower, FaultLadder):
         # (checked calls; every call in "exceptions" mode, which schedules no checks), and a
         # copy of those the compiled code may write into, so a re-run starts from what this
         # call was given (calls.Call: re-runs never write into the caller's tensors).
-        call = Call.held(args, self.written, self.random, generation)  # the compiled code may clear `args`
+        call = Call.held(args, self.facts.written, self.facts.random, generation)  # the compiled code may clear `args`
         out, exc = None, None
         try:
             out = self.compiled(args)
@@ -154,15 +192,15 @@ class GuardedGraph(RankFollower, FaultLadder):
     def _after(self, out: Any, exc: BaseException | None, call: Call, check: bool, values: bool = False) -> Any:
         """The rest of a call that raised, is checked, or (holding its inputs) runs under torch.distributed."""
         # the screen covers the inputs the graph writes (parameters, buffers, optimizer state) too
-        bad = nonfinite_outputs(self._results(out, call), self.allowed) if (exc is None and check) else []
+        bad = nonfinite_outputs(self.ladder.results(out, call), self.allowed) if (exc is None and check) else []
         if values and exc is None and not bad and not distributed():
-            return self._check_values(out, call)
+            return self.settle(self.ladder.check_values(out, call), call)
         if exc is None and check and self.screen_later is None:  # decided once: a graph's outputs stay where they are
             self.screen_later = compat.is_cuda_available() and single_cuda_device(out)
         level = _EXCEPTION if exc is not None else (_NONFINITE if bad else _OK)
         if call.inputs is not None and distributed():  # an agreed call: every rank meets it (see .ranks)
-            levels = gather_levels(level)
-            return self._across_ranks(levels, call, exc, bad, out) if any(levels) else out
+            levels = ranks.gather_levels(level)
+            return ranks.across_ranks(self, levels, call, exc, bad, out) if any(levels) else out
         if level == _OK:
             return out
         if call.inputs is None:
@@ -188,14 +226,14 @@ class GuardedGraph(RankFollower, FaultLadder):
                 retried = self._retry(call, check)
                 if retried is not None:
                     return retried
-            return self._on_fault(kind, call, exc=exc, bad=bad, out=out)
+            return self.settle(self.ladder.on_fault(kind, call, exc=exc, bad=bad, out=out), call)
 
     def _retry(self, call: Call, check: bool) -> Any:
         """This call again on the current fast path; None if it faults there too."""
-        run = self._rerun(self.compiled, call, eager=False)
+        run = self.ladder.rerun(self.compiled, call, eager=False)
         if run.exc is not None or (check and nonfinite_outputs(run.results, self.allowed)):
             return None
-        return self._returning(run, call)
+        return self.ladder.returning(run, call)
 
     def _screen_later(self, out: Any) -> None:
         self.record.bump(GraphCounter.CHECKS)

@@ -1,0 +1,56 @@
+"""The fallback ladder's last rung: a fault that no pin set removes makes the graph run eagerly.
+
+The other rungs (a fault localized and pinned, the model's own NaN/Inf, the fp32 retry, a
+value difference no pin explains) are covered by tests/test_guard.py and test_guard_state.py;
+this one needs a fault that survives every pin, which no planted kernel fault gives (pinning
+its op removes it): every artifact the graph's compiler builds is made faulty instead.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+import enn_backend
+from enn_backend.graph_compiler import GraphCompiler
+from enn_backend.guard.runtime import GuardedGraph
+
+ISOLATED = {"attention": False, "epilogue": False, "persist": False, "repro": False, "localize_budget": 4}
+
+
+class _Small(torch.nn.Module):
+    def forward(self, x):
+        return torch.sin(x) * 2.0 + torch.cos(x)
+
+
+def _nan_first_output(compiled):
+    """``compiled`` (a boxed artifact) with NaN written over its first output."""
+    def faulty(args):
+        out = compiled(args)
+        out[0].fill_(float("nan"))
+        return out
+
+    faulty._boxed_call = True
+    return faulty
+
+
+def test_a_fault_no_pin_removes_runs_the_graph_eagerly(monkeypatch):
+    build = GraphCompiler.build
+    monkeypatch.setattr(GraphCompiler, "build", lambda self, *a, **k: _nan_first_output(build(self, *a, **k)))
+    model, x = _Small(), torch.randn(4, 8)
+    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    want = model(x)
+    for _ in range(3):  # the first call meets the fault; later calls run the eager graph
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), want)
+
+    rep = enn_backend.report().to_dict()
+    (fb,) = rep["fallbacks"]
+    assert fb["kind"] == "nonfinite" and fb["node"] == "<graph>"
+    assert fb["action"] == "graph runs eagerly from now on (pinning every op did not remove the fault)"
+    (g,) = rep["graphs"]
+    assert g["path"] == "eager" and g["counters"]["faults"] == 1 and g["counters"]["calls"] == 3
+
+    guard = next(o for o in gc.get_objects() if type(o) is GuardedGraph and o.record.id == g["id"])
+    assert guard.decision is not None and guard.decision.eager and not guard.decision.pins
