@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install enn (no network there), then run the named stages.
-#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision tests hfguard bench real demo)
+#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision tests checks bench real demo)
 # Each stage's output goes to $OUT/<stage>.log and its JSON to $OUT. The tools run through the
 # front door (python -m enn_backend bench --tool NAME ARGS = python bench/NAME.py ARGS).
 set -u
@@ -17,7 +17,13 @@ for stage in "$@"; do
     attention) python3 -m enn_backend bench --tool gpu_attention ;;
     precision) python3 -m enn_backend bench --tool gpu_precision ;;
     tests)     python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/ ;;
-    hfguard)   python3 bench/gpu_hf_guard.py ;;      # a correctness check (bench/README.md)
+    # the correctness checks that were scripts here, as GPU tests (bench/README.md, "Correctness checks")
+    checks)    python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_hf_sweep.py tests/test_guard_hidden_nan.py \
+                 tests/test_attention_op.py::test_efficient_kernel_on_saturated_rows \
+                 tests/test_hf_masks.py::test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_bias \
+                 tests/test_hf_masks.py::test_cuda_sdpa_kernels_on_rows_that_keep_no_key \
+                 tests/test_hf_masks.py::test_cuda_efficient_kernel_under_the_left_padding_mask_equals_the_causal_flag \
+                 tests/test_attention_models.py::test_benchmark_attention_patterns_fused_gpu ;;
     bench)     python3 -m enn_backend bench --preset gpu --out "$OUT/bench" ;;
     # third-party models (transformers, timm, torchvision); its own budget keeps it under 7 minutes, the
     # timeout (SIGINT) backs that up: results are rewritten after every workload, so a cut run keeps them

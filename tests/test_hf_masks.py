@@ -191,15 +191,18 @@ EFFICIENT_BWD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("order", ["cudnn,efficient", "efficient,explicit"], ids=["cudnn", "efficient"])
 @pytest.mark.parametrize("seq", [24, PADDED_SEQ])
-def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_bias(seq, monkeypatch):
+def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_bias(seq, order, monkeypatch):
     """HF LLaMA eager, left padding, bf16 autocast, the CUDA kernels in the default order (named:
-    at this size the default policy leaves padded attention to Inductor, policy.CUDA_MIN_PADDING_SCORES):
+    at this size the default policy leaves padded attention to Inductor, policy.CUDA_MIN_PADDING_SCORES)
+    and with the memory-efficient kernel first:
     cuDNN (Hopper) or memory-efficient attention with is_causal and the [B, 1, 1, Tk] bias (13
     keys: its rows laid out at multiples of 8 elements), no T x T tensor in the graph; the mask's
     constants read as on the CPU; logits -- the padded query rows, which keep no key, included --
-    and every gradient equal eager's."""
-    monkeypatch.setenv("ENN_ATTENTION_ORDER", "cudnn,efficient")
+    and every gradient equal eager's, and as close to an fp32 run as eager's (an H100's numbers per
+    kernel, padded and not: bench/results/gpu-h100/key_padding_accuracy.log)."""
+    monkeypatch.setenv("ENN_ATTENTION_ORDER", order)
     model = _AutocastLogits(_model("llama", "eager").cuda())
     mask = torch.ones(B, seq, dtype=torch.long, device="cuda")
     mask[1, :PADDED] = 0
@@ -208,6 +211,8 @@ def test_hf_eager_left_padding_on_cuda_runs_a_causal_kernel_with_a_key_padding_b
     got = [c for c in run.choices if not c.get("sdpa_call")]
     assert len(got) == LAYERS and all(c["choice"] in ("cudnn", "efficient") and c["causal"] and c["key_padding"]
                                       and "mask_tensor" not in c for c in got), got
+    if order.startswith("efficient"):
+        assert {c["choice"] for c in got} == {"efficient"}, got
     kernels = find_ops(run.after, CUDNN) + find_ops(run.after, EFFICIENT)
     assert len(kernels) == LAYERS and all(n.args[6] is True for n in kernels), [n.format_node() for n in kernels]
     assert tuple(_padding_bias(kernels[0].args[3]).meta["val"].shape) == (B, 1, 1, seq)
@@ -222,7 +227,7 @@ def _assert_as_close_to_fp32_as_eager(model, run, ids, mask, fp32=None) -> None:
     """Gradients under bf16 autocast differ from eager's by bf16 rounding (on the order of 0.4 here,
     with or without padding, whichever kernel): judged against the same model run in fp32
     (``fp32``, default: the model without its autocast wrapper), enn must be about as close as
-    eager is (bench/gpu_key_padding_accuracy.py measures both)."""
+    eager is (bench/results/gpu-h100/key_padding_accuracy.log: both, per kernel)."""
     wrt = [p for p in model.parameters() if p.requires_grad]
     g = torch.randn(run.output.shape, generator=torch.Generator().manual_seed(0)).to(run.output.device)
     ref_out = (fp32 or _Logits(model.model))(ids, mask)
@@ -571,8 +576,8 @@ def _flex_pad() -> torch.Tensor:
 
 def test_cudnn_left_padding_inference_becomes_flex_with_cudnns_dead_rows(monkeypatch):
     """A row that keeps no key comes out as cuDNN computes it: every key weighed by its score plus
-    the fill (rounded in fp32) (measured on an H100: bench/gpu_sdpa_left_padding.py). No T x T
-    tensor is left, and one flex call replaces the kernel."""
+    the fill (rounded in fp32) (what cuDNN does on CUDA: test_cuda_sdpa_kernels_on_rows_that_keep_no_key).
+    No T x T tensor is left, and one flex call replaces the kernel."""
     from enn_backend.passes.attention.kernels.flex_padding import PaddedCausalFlex
 
     monkeypatch.setattr(PaddedCausalFlex, "DEVICES", ("cuda", "cpu"))
@@ -589,6 +594,93 @@ def test_cudnn_left_padding_inference_becomes_flex_with_cudnns_dead_rows(monkeyp
     want = torch.softmax(scores + torch.where(keep, 0.0, torch.where(dead, CUDNN_FILL, float("-inf"))), -1) @ v
     torch.testing.assert_close(run.output, want, atol=2e-6, rtol=2e-5)
     assert run.output[1, :, :40].abs().max() > 0.1  # the dead rows are not zeros
+
+
+# What SDPA's CUDA kernels make of HF's left-padding mask, the premises of the two paths above: bf16,
+# a [B, 1, T, T] boolean mask (causal & keep[b, kv]), batch 1 padded by a quarter. An H100's numbers
+# at T=1024 and 4096: bench/results/gpu-h100/sdpa_left_padding_semantics.log.
+DEAD_ROWS = {"default": "every key", "cudnn": "every key", "efficient": "zeros", "math": "zeros"}
+
+
+def _left_padded_sdpa_inputs(t: int = 256, heads: int = 8, d: int = 128):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, heads, t, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    keep = torch.ones(2, t, dtype=torch.bool, device="cuda")
+    keep[1, : t // 4] = False
+    i = torch.arange(t, device="cuda")
+    return q, k, v, keep, (i[None, :] <= i[:, None])[None, None] & keep[:, None, None, :]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", list(DEAD_ROWS))
+def test_cuda_sdpa_kernels_on_rows_that_keep_no_key(kernel):
+    """A query row that keeps no key: cuDNN -- and the default dispatch, which picks it on Hopper,
+    so eager's result -- weighs it over every key by its raw scores (its finite fill cancels),
+    which enn's flex path reproduces (test_cudnn_left_padding_inference_becomes_flex_with_cudnns_dead_rows;
+    end to end: test_hf_sdpa_left_padding_inference_on_cuda_runs_flex_with_eager_values); the
+    memory-efficient and math kernels give zeros, as under the causal flag, so their calls take
+    the flag. No NaN; every other row is fp64's."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from enn_backend.passes.attention.kernels.flex_padding import dead_rows
+
+    q, k, v, keep, mask = _left_padded_sdpa_inputs()
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+               "math": SDPBackend.MATH}.get(kernel)
+    try:
+        with nullcontext() if backend is None else sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).double()
+    except RuntimeError as e:
+        pytest.skip(f"{kernel} refuses this call on this GPU: {str(e).splitlines()[0][:120]}")
+    s = (q.double() @ k.double().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    every_key = torch.softmax(s, -1) @ v.double()
+    live = torch.softmax(s.masked_fill(~mask, float("-inf")), -1).nan_to_num(0.0) @ v.double()
+    dead = dead_rows(keep)[:, None, :, None].expand_as(out)
+    assert int(dead[:, 0, :, 0].sum()) == 64 and not torch.isnan(out).any()
+    assert _rel(out[~dead], live[~dead]) < 1e-2  # H100: 0.002
+    if DEAD_ROWS[kernel] == "zeros":
+        assert out[dead].abs().max().item() == 0.0
+    else:
+        assert _rel(out[dead], every_key[dead]) < 1e-2, _rel(out[dead], every_key[dead])  # H100: 0.003
+        assert out[dead].abs().max().item() > 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_efficient_kernel_under_the_left_padding_mask_equals_the_causal_flag():
+    """The memory-efficient kernel under HF's mask, and with is_causal plus the [B, 1, 1, Tk]
+    padding bias (-inf) as enn calls it: the same outputs and gradients (dq within bf16
+    rounding; H100: out, dk, dv equal, dq 4.9e-4), rows that keep no key zero with zero dq."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from enn_backend.passes.attention.kernels.flex_padding import dead_rows
+
+    q, k, v, keep, mask = _left_padded_sdpa_inputs()
+    b, h, t, _ = q.shape
+    g = torch.randn(q.shape, device="cuda", dtype=q.dtype, generator=torch.Generator(device="cuda").manual_seed(2))
+    pad = torch.where(keep[:, None, None, :], 0.0, float("-inf")).to(q.dtype).expand(b, h, t, t)
+    runs = {}
+    for how in ("mask", "flag"):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        if how == "mask":
+            with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+                out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask)
+        else:
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(qq, kk, vv, pad, True, 0.0, True)[0]
+        out.backward(g)
+        runs[how] = [out.detach(), qq.grad, kk.grad, vv.grad]
+    for name, a, c in zip(("out", "dq", "dk", "dv"), runs["mask"], runs["flag"]):
+        assert torch.isfinite(a).all() and torch.isfinite(c).all(), name
+        torch.testing.assert_close(c.float(), a.float(), atol=4e-3, rtol=1e-2, msg=lambda m, n=name: f"{n}: {m}")
+    dead = dead_rows(keep)[:, None, :, None].expand_as(q)
+    assert runs["flag"][0][dead].eq(0).all() and runs["flag"][1][dead].eq(0).all()
 
 
 def test_cudnn_left_padding_whose_logsumexp_is_read_keeps_its_mask(monkeypatch):
