@@ -8,6 +8,7 @@ Each command lives in its own module and exposes ``main(argv) -> int``:
   minify    shrink a repro script to the smallest failing graph             (enn_backend.debug.cli)
   bench     benchmark and accuracy suite                                    (enn_backend.bench.cli)
   state     list or clear kernel state (kernels pinned after a fault)       (enn_backend.debug.cli)
+  registry  list or clear the kernel choices enn measured                   (enn_backend.registry.cli)
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ COMMANDS = {
     "minify": ("enn_backend.debug.cli", "minify_main", "shrink an enn repro script to the smallest failing graph"),
     "bench": ("enn_backend.bench.cli", "main", "run the benchmark and accuracy suite"),
     "state": ("enn_backend.debug.cli", "state_main", "list or clear kernel state: kernels pinned to eager after a fault"),
+    "registry": ("enn_backend.registry.cli", "main", "list or clear the kernel choices enn measured and cached"),
 }
 
 
 def usage() -> str:
     lines = ["usage: python -m enn_backend <command> [args]   (<command> --help: its arguments)",
              "       python -m enn_backend --version", "", "commands:"]
-    lines += [f"  {name:<8} {doc}" for name, (_, _, doc) in COMMANDS.items()]
+    lines += [f"  {name:<9} {doc}" for name, (_, _, doc) in COMMANDS.items()]
     return "\n".join(lines)
 
 
