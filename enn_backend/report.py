@@ -86,6 +86,23 @@ class Count(str, enum.Enum):
     CACHE_ARTIFACTS_IGNORED = "cache_artifacts.ignored"
 
 
+class CompilePhase(str, enum.Enum):
+    """Where a graph's compile time went (``GraphRecord.compile_phases``, keyed by the value;
+    enn_backend.compile_time says how each is measured)."""
+
+    DYNAMO = "dynamo"  # Dynamo's trace of the frame, its guards and bytecode
+    AOT_AUTOGRAD = "aot_autograd"  # AOT Autograd: metadata, joint trace, partition, lazy backward
+    ENN_PASSES = "enn_passes"  # enn's graph passes (attention, epilogue, precision)
+    ENN = "enn"  # enn's other compile work: copies and facts for the guard, kernel state, sidecars
+    INDUCTOR = "inductor"  # Inductor's own passes, lowering, scheduling, code generation
+    KERNEL_COMPILE = "kernel_compile"  # Triton / C++ kernel builds and loading the generated module
+    CPP_WRAPPER = "cpp_wrapper"  # the C++ wrapper: its code, precompiled header and C++ build
+    AUTOTUNE = "autotune"  # autotuning and benchmarking (templates, fusions, combo kernels, configs)
+    GUARD = "guard"  # the guard's checks on the graph's first call (measured by enn)
+    FIRST_RUN = "first_run"  # the compiled code's run in the first call (measured by enn)
+    OTHER = "other"  # a compile event of torch's that no rule names
+
+
 @dataclass
 class Fallback:
     kind: str
@@ -118,6 +135,13 @@ class GraphRecord:
     sites: dict[str, Site] = field(default_factory=dict)  # node name -> site, for the nodes named here
     events: list[dict[str, Any]] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)
+    # seconds by CompilePhase value: the graph's compile and first call (enn_backend.compile_time)
+    compile_phases: dict[str, float] = field(default_factory=dict)
+    # enn's Inductor options for this graph as decided at compile time (option -> value), and why
+    build_choices: dict[str, Any] = field(default_factory=dict)
+
+    def add_compile_time(self, phase: CompilePhase, seconds: float) -> None:
+        self.compile_phases[phase.value] = self.compile_phases.get(phase.value, 0.0) + seconds
 
     def bump(self, counter: GraphCounter, n: int = 1) -> int:
         """Add ``n`` to ``counter``; its new value."""
@@ -295,6 +319,7 @@ def format_report(data: dict[str, Any]) -> str:
     if graphs:
         table = _table(rows, right={2, 3, 4, 5})
         lines += [table[0], "-" * max(len(t) for t in table), *table[1:]]
+    lines += compile_time_lines(graphs)
     fusions = data.get("fusions") or {}
     lines.append("fusions: " + (", ".join(f"{k} {v}" for k, v in sorted(fusions.items())) or "none"))
     sections = (
@@ -314,6 +339,32 @@ def format_report(data: dict[str, Any]) -> str:
     lines.append(f"fallbacks: {len(fallbacks) or 'none'}")
     lines += [f"  {fallback_line(f)}" for f in fallbacks]
     return "\n".join(lines)
+
+
+def compile_time_lines(graphs: list[dict[str, Any]]) -> list[str]:
+    """Where each graph's compile time went, a column per phase (seconds; the phases no graph
+    spent time in left out), then enn's per-graph build choices."""
+    timed = [g for g in graphs if g.get("compile_phases")]
+    lines: list[str] = []
+    if timed:
+        phases = [p.value for p in CompilePhase if any(g["compile_phases"].get(p.value, 0.0) >= 0.005 for g in timed)]
+        rows = [["graph", "total s", *phases]]
+        rows += [[g["id"], f"{sum(g['compile_phases'].values()):.2f}",
+                  *(f"{g['compile_phases'].get(p, 0.0):.2f}" for p in phases)] for g in timed]
+        table = _table(rows, right=set(range(1, len(rows[0]))))
+        lines += ["compile time by phase (s; the first call included):", *(f"  {t}" for t in table)]
+    chosen = [g for g in graphs if g.get("build_choices")]
+    if chosen:
+        lines.append("build choices:")
+        width = max(len(g["id"]) for g in chosen)
+        lines += [f"  {g['id']:<{width}}  {build_choice_text(g['build_choices'])}" for g in chosen]
+    return lines
+
+
+def build_choice_text(choices: dict[str, Any]) -> str:
+    """One graph's build choices as text: the options, then why."""
+    opts = ", ".join(f"{k}={v}" for k, v in sorted(choices.get("options", {}).items()))
+    return f"{opts or 'none'} ({choices.get('reason', '')})"
 
 
 def atomic_write_text(path: str, text: str) -> None:
