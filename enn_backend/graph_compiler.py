@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from . import blame, compat
+from . import blame, build_choice, compat
 from .custom_ops.pinned import EMITTED
 from .debug.repro import write_repro
 from .guard import graph_edit as E
@@ -39,8 +39,11 @@ log = logging.getLogger(__name__)
 
 # Inductor options enn compiles a graph with, by device type, where options= leaves them unset
 # (and the running Inductor has them). Each is off in Inductor's defaults; enn turns it on where
-# it makes steps faster and no step slower. A graph that does not compile with them is compiled
-# without them (recorded), before any of enn's rewrites is given up.
+# it makes steps faster and no step slower. The launch-saving ones (combo kernels, the C++
+# wrapper) go only to graphs whose host work pays for their compile time (build_choice: host-bound
+# by kernel count against predicted kernel time; the choice in the graph's record). A graph that
+# does not compile with them is compiled without them (recorded), before any of enn's rewrites is
+# given up.
 #
 # combo_kernels: independent kernels fused horizontally, so a step launches fewer kernels; each
 # sub-kernel keeps its own block sizes (a shared tile slows the larger ones), and only pointwise
@@ -54,7 +57,7 @@ INDUCTOR_DEFAULTS: dict[str, dict[str, Any]] = {
 # for every graph not under CUDA graphs (which already take the host out). cpp_wrapper: the
 # kernels are launched from C++ instead of one Python call each, which shortens host-bound steps
 # and costs GPU-bound ones nothing; it costs compile time (each wrapper is compiled as C++, and
-# the first on a machine builds a precompiled header). Every graph's first build gets it, the
+# the first on a machine builds a precompiled header). A host-bound graph's first build gets it, the
 # guard's recompiles do not (GraphCompiler.cpp_wrapper_ok). Where torch tunes the C++ wrapper's
 # kernels on the graph's real inputs (2.11), a backward, whose compile lacks them, is built on its
 # first call (GraphCompiler.waits_for_first_call), which keeps the unit out of AOT Autograd's
@@ -109,6 +112,13 @@ class GraphCompiler:
         # (which pin nodes at compile time) cannot hide the fault being reproduced.
         self.state: KernelState = state if state is not None else state_for(opts)
         self.record: GraphRecord = report().new_graph(unit, self.phase)
+        # enn, not options=, decides this graph's cpp_wrapper (its default holds for the device)
+        self.cpp_wrapper_decided = bool(self.inductor_defaults.get("cpp_wrapper"))
+        if any(k in self.inductor_defaults for k in build_choice.LAUNCH_SAVING):
+            # the launch-saving defaults only where the graph's host work pays for them (build_choice)
+            self.inductor_defaults, self.record.build_choices = build_choice.for_graph(
+                self.inductor_defaults, build_choice.estimate(self.eager_gm))
+        self.built_with_cpp_wrapper = False  # whether the last build has Inductor's C++ wrapper
         self.record.nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         self.compute_nodes = len(E.candidate_nodes(self.eager_gm))
         self.record.compute_nodes = self.compute_nodes
@@ -336,12 +346,14 @@ class GraphCompiler:
         patches, kwargs = dict(self.config_patches), dict(self.kwargs)
         if enn and defaults:
             patches = {**self.inductor_defaults, **patches}
-        cpp_wrapper = False
-        if self.inductor_defaults.get("cpp_wrapper"):
+        cpp_wrapper = bool(kwargs.get("cpp_wrapper", patches.get("cpp_wrapper", False)))
+        if self.cpp_wrapper_decided:
             # compile_fx hands its cpp_wrapper to the graph as an argument (a backward's: none): a
-            # rung without enn's defaults goes without, and so does any graph cpp_wrapper_ok turns away
-            cpp_wrapper = enn and defaults and self.cpp_wrapper_ok
+            # rung without enn's defaults goes without, and so does any graph cpp_wrapper_ok or
+            # build_choice turns away
+            cpp_wrapper = bool(enn and defaults and self.inductor_defaults.get("cpp_wrapper") and self.cpp_wrapper_ok)
             patches["cpp_wrapper"] = kwargs["cpp_wrapper"] = cpp_wrapper
+        self.built_with_cpp_wrapper = cpp_wrapper
         if not enn:  # None, not absent: compile_fx's own patch around a first compile still holds enn's passes
             patches.update(post_grad_custom_post_pass=None, post_grad_custom_pre_pass=None)
         if self.cudagraphs and not self.cudagraphs_ok:
