@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.fx as fx
 
-from . import compat
+from . import compat, compile_time
 from .aot_sidecar import (FALLBACK_FIELDS, FORMAT, PHASES, RECORD_FIELDS, REPLAYED, VERSION, read_sidecar,
                           sidecar_path, write_sidecar)
 from .debug.log import log_compiled_graph
@@ -214,9 +214,10 @@ class WarmStart:
         for f in RECORD_FIELDS:
             setattr(rec, f, copy.deepcopy(meta["record"][f]))
         rec.from_cache = True
+        compile_time.graph_loaded(rec)  # the unit's (warm) compile time is this graph's
         if not self.opts.guard.guarded:
             return compiled
-        return GuardedGraph(CachedGraph(self, meta, rec), compiled, rec)
+        return compile_time.FirstCallClock.arm(GuardedGraph(CachedGraph(self, meta, rec), compiled, rec))
 
     # ------------------------------------------------------------ the graphs, when the guard needs them
     def traced(self, phase: str, expected_key: str, record: GraphRecord) -> Any:

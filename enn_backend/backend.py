@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import compat
+from . import compat, compile_time
 from .aot_cache import WarmStart, content_digest, offer
 from .debug.log import log_compiled_graph
 from .decompositions import decomposition_table
@@ -74,6 +74,11 @@ def _exported(gm: fx.GraphModule) -> Callable[..., Any]:
 def compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Callable[..., Any]:
     """Compile one Dynamo graph (a *unit*: its forward and backward graphs)."""
     unit = report().new_unit()
+    with compile_time.unit_compile(unit):  # a compile event of torch's; see compile_time
+        return _compile_unit(gm, example_inputs, opts, unit)
+
+
+def _compile_unit(gm: fx.GraphModule, example_inputs: list, opts: Options, unit: str) -> Callable[..., Any]:
     t0 = time.perf_counter()
     pristine = _fresh(gm)  # compile_fx may mutate the graph
     while True:
@@ -145,12 +150,18 @@ def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_spe
 
     def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
         what = f"{unit} ({'backward' if kwargs.get('is_backward') else 'forward'})"
-        compiler, compiled = ranks.compile_agreed(  # under torch.distributed, by every rank (guard.ranks)
-            lambda: GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit, config_patches=config_patches,
-                                  fault_specs=fault_specs), what)
-        log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
-        returned = GuardedGraph(compiler, compiled, compiler.record) if opts.guard.guarded else compiled
-        return offer(compiler, compiled, returned)
+        built: list[GraphCompiler] = []
+        with compile_time.graph_compile(unit, lambda: bool(built) and built[0].built_with_cpp_wrapper) as bind:
+            compiler, compiled = ranks.compile_agreed(  # under torch.distributed, by every rank (guard.ranks)
+                lambda: GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit, config_patches=config_patches,
+                                      fault_specs=fault_specs), what)
+            built.append(compiler)
+            bind(compiler.record)
+            log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
+            # the guard's first call is timed (compile_time.FirstCallClock)
+            returned = (compile_time.FirstCallClock.arm(GuardedGraph(compiler, compiled, compiler.record))
+                        if opts.guard.guarded else compiled)
+            return offer(compiler, compiled, returned)
 
     return inner_compile
 

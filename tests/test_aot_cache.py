@@ -69,7 +69,7 @@ def _cache_loaded_guard(phase):
 
 
 def _without_times(graphs):
-    skip = {"compile_time_s", "from_cache", "counters", "events", "id"}
+    skip = {"compile_time_s", "compile_phases", "from_cache", "counters", "events", "id"}
     return [{k: v for k, v in g.items() if k not in skip} for g in graphs]
 
 

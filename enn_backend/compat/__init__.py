@@ -15,6 +15,7 @@ covers it. No module outside this package imports a private torch module or name
 ``tracing``                make_fx, AOT's joint trace, the FX minifier, fake mode, size hints
 ``flex``                   FlexAttention's private helpers
 ``attention_rewrites``     Inductor's own attention rewrites, kept off enn's compiles
+``compile_events``         torch's compile-time events: enn's own, and reading them back
 ``cache_artifacts``        enn's artifact types in torch.compiler's save/load_cache_artifacts
 ``miscompiles``            the table of ATen nodes Inductor is known to compute wrong
 ``runtime``                what the guard probes per call: torch.distributed, CUDA, Triton
@@ -27,6 +28,7 @@ from . import (  # noqa: F401
     attention_rewrites, cache_artifacts, dynamo_aot, flex, inductor, miscompiles, runtime, tracing, versions)
 from .attention_rewrites import (  # noqa: F401
     inductor_attention_rewrites, inductor_attention_rewrites_off, is_inductor_attention_rewrite)
+from .compile_events import compile_event  # noqa: F401
 from .cache_artifacts import record_cache_artifact, register_cache_artifact  # noqa: F401
 from .dynamo_aot import (  # noqa: F401
     FXGraphCacheMiss, aot_cache_hits, aot_metadata, is_aot_backward_node, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,

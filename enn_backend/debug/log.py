@@ -13,6 +13,12 @@ raise. Plain ``logging.getLogger("enn_backend").setLevel(logging.INFO)`` works t
 
 With ``TORCH_TRACE=<dir>`` every compiled graph's report record is also written
 as a JSON artifact named ``enn_graph_report`` that tlparse shows.
+
+After a guarded graph's first call, one more info line says where its compile time
+went, by phase (enn_backend.compile_time), also written as the artifact
+``enn_compile_time``; enn's own compile work is among torch's compile events
+(``enn_backend.compile_unit``, ``enn_backend.compile_graph``, ``enn_backend.passes``),
+which tlparse's perfetto trace shows.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from ..blame import describe_all, location
 log = logging.getLogger(__name__)
 
 ARTIFACT_NAME = "enn_graph_report"
+COMPILE_TIME_ARTIFACT = "enn_compile_time"
 
 
 def graph_line(rec: Any) -> str:
@@ -61,3 +68,19 @@ def log_compiled_graph(rec: Any) -> None:
     if log.isEnabledFor(logging.INFO):
         log.info("%s", graph_line(rec))
     compat.trace_structured_artifact(ARTIFACT_NAME, lambda: json.dumps(asdict(rec), default=str))
+
+
+def compile_time_line(rec: Any) -> str:
+    """One line that says where a graph's compile time (its first call included) went."""
+    phases = sorted(rec.compile_phases.items(), key=lambda kv: -kv[1])
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in phases if v >= 0.005) or "none"
+    return f"enn compile time {rec.id}: {sum(rec.compile_phases.values()):.2f}s: {parts}"
+
+
+def log_compile_time(rec: Any) -> None:
+    """Log the graph's compile-time line at info level and emit it as a TORCH_TRACE artifact."""
+    if log.isEnabledFor(logging.INFO):
+        log.info("%s", compile_time_line(rec))
+    compat.trace_structured_artifact(COMPILE_TIME_ARTIFACT, lambda: json.dumps(
+        {"graph": rec.id, "unit": rec.unit, "phase": rec.phase, "seconds": rec.compile_phases,
+         "build_choices": rec.build_choices}, default=str))

@@ -187,6 +187,12 @@ class PassManager(compat.CustomGraphPass):
             # fused attention backward reading a rewritten gradient): restore a topological order.
             compat.stable_topological_sort(graph)
         self.matches = {}
+        with compat.compile_event("enn_backend.passes"):  # shown among torch's compile events
+            self._run(graph, ctx)
+        if self.passes:
+            graph.lint()
+
+    def _run(self, graph: fx.Graph, ctx: PassContext) -> None:
         for p in self.passes:
             t0 = time.perf_counter()
             try:
@@ -198,8 +204,6 @@ class PassManager(compat.CustomGraphPass):
                       1e3 * (time.perf_counter() - t0))
             if log.isEnabledFor(logging.DEBUG) and os.environ.get("ENN_DEBUG_GRAPHS") == "1" and matches:
                 log.debug("graph after %s:\n%s", p.name, graph)
-        if self.passes:
-            graph.lint()
 
     def uuid(self) -> Any:
         h = hashlib.sha256()

@@ -1,0 +1,175 @@
+"""Where compile time goes (enn_backend.compile_time), and the per-graph build choice
+(enn_backend.build_choice): the rules as tables, and a real compile whose phases add up."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend import build_choice, graph_compiler
+from enn_backend.compat.compile_events import Event, phase_of_event
+from enn_backend.compile_time import attribute
+from enn_backend.report import CompilePhase, GraphRecord, format_report
+
+
+def _ev(name: str, start: int, end: int, outermost: bool = False) -> Event:
+    return Event(name, start, end, outermost)
+
+
+# ------------------------------------------------------------------ the rules as tables
+@pytest.mark.parametrize("name, parent_phase, parent_name, cpp_wrapper, phase", [
+    ("entire_frame_compile", "other", "", False, "dynamo"),
+    ("bytecode_tracing", "dynamo", "compile_attempt_0", False, "dynamo"),  # not named: its parent's
+    ("backend_compile", "dynamo", "compile_attempt_0", False, "aot_autograd"),
+    ("entire_backward_compile", "other", "", False, "aot_autograd"),
+    ("enn_backend.passes", "inductor", "_recursive_joint_graph_passes", False, "enn_passes"),
+    ("pass.joint_graph_passes.joint_custom_pre_pass", "inductor", "x", False, "enn_passes"),
+    ("enn_backend.compile_graph", "aot_autograd", "compile_fx.<locals>.fw_compiler_base", False, "enn"),
+    ("GraphLowering.run", "inductor", "fx_codegen_and_compile", False, "inductor"),
+    ("async_compile.wait", "kernel_compile", "PyCodeCache.load_by_key_path", False, "kernel_compile"),
+    ("compile_file", "kernel_compile", "PyCodeCache.load_by_key_path", False, "kernel_compile"),
+    ("compile_file", "kernel_compile", "PyCodeCache.load_by_key_path", True, "cpp_wrapper"),
+    ("compile_file", "kernel_compile", "async_compile.wait", True, "kernel_compile"),
+    ("CppWrapperGpu.generate", "inductor", "GraphLowering.codegen", True, "cpp_wrapper"),
+    ("CachingAutotuner.benchmark_all_configs", "other", "", False, "autotune"),
+    ("mm_template_autotuning", "inductor", "GraphLowering.run", False, "autotune"),
+    ("something_new", "other", "", False, "other"),
+])
+def test_phase_of_event(name, parent_phase, parent_name, cpp_wrapper, phase):
+    assert phase_of_event(name, parent_phase, parent_name, cpp_wrapper) == phase
+
+
+def test_each_events_own_time_counts_once_toward_its_graph_and_phase():
+    fwd, bwd = GraphRecord("g0/forward", "g0", "forward"), GraphRecord("g0/backward", "g0", "backward")
+    root = _ev("dynamo", 0, 100, outermost=True)
+    events = [
+        _ev("bytecode_tracing", 2, 8),  # dynamo (not named: the root's phase)
+        _ev("backend_compile", 10, 95),  # aot_autograd: 10-20, 60-95 less the bwd graph
+        _ev("enn_backend.compile_graph", 20, 60),  # enn: 20-25, 55-60 (forward graph)
+        _ev("inductor_compile", 25, 55),  # inductor: 25-30, 50-55, and "unnamed" 45-50
+        _ev("compile_file", 30, 45),  # kernel_compile
+        _ev("unnamed", 45, 50),  # inductor (its parent's)
+        _ev("enn_backend.compile_graph", 70, 80),  # the backward graph's enn: all of it
+    ]
+    windows = {(20, 60): fwd, (70, 80): bwd}
+
+    def owner(e: Event):
+        inner = [r for (s, t), r in windows.items() if s <= e.start_ns and e.end_ns <= t]
+        return inner[0] if inner else fwd  # the rest of the compile: the first graph's
+
+    got: dict[tuple[str, str], float] = {}
+    for rec, phase, seconds in attribute(events, [root], owner):
+        got[(rec.id, phase.value)] = got.get((rec.id, phase.value), 0.0) + seconds * 1e9
+    assert got == pytest.approx({
+        ("g0/forward", "dynamo"): 15,  # 0-10 (bytecode_tracing included), 95-100
+        ("g0/forward", "aot_autograd"): 10 + 25,  # 10-20, 60-70, 80-95
+        ("g0/forward", "enn"): 10,
+        ("g0/forward", "inductor"): 15,
+        ("g0/forward", "kernel_compile"): 15,
+        ("g0/backward", "enn"): 10,
+    })
+    assert sum(got.values()) == pytest.approx(100)  # the phases add up to the compile's span
+
+
+@pytest.mark.parametrize("kernels, device_us, host_bound", [
+    (0, 0.0, True),  # nothing to predict: as before the rule, the launch-saving defaults
+    (174, 2000.0, True),  # ViT-small training (H100): 1.4 ms of launches, ~2 ms predicted
+    (400, 6000.0, True),  # T5 training: 3.2 ms of launches, ~6 ms predicted
+    (100, 1600.0, True),  # on the line: 800 us >= 0.5 x 1600 us
+    (100, 1601.0, False),
+    (1000, 25000.0, False),  # an 8-layer d2048 decoder's training graph: GPU-bound
+    (3, 340.0, False),  # one large GEMM
+])
+def test_the_host_bound_rule(kernels, device_us, host_bound):
+    assert build_choice.choose(kernels, device_us) is host_bound
+
+
+def test_a_graph_keeps_enns_defaults_that_save_no_launches():
+    defaults = {"cpp_wrapper": True, "combo_kernels": True, "combo_kernels_pointwise_only": True, "other": 1}
+    kept, choice = build_choice.for_graph(defaults, build_choice.HostEstimate(kernels=1000, device_us=25000.0))
+    assert kept == {"other": 1}
+    assert choice["options"] == {"cpp_wrapper": False, "combo_kernels": False}
+    assert choice["reason"].startswith("not host-bound: ~1000 kernels")
+    kept, choice = build_choice.for_graph(defaults, build_choice.HostEstimate(kernels=10, device_us=100.0))
+    assert kept == defaults and choice["options"] == {"cpp_wrapper": True, "combo_kernels": True}
+
+
+def test_the_estimate_counts_gemms_reductions_and_pointwise_chains():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w):
+        h = torch.relu(x @ w) * 2 + 1  # a GEMM, then one fused pointwise chain
+        return h.sum(-1), h @ w  # a reduction, another GEMM
+
+    x, w = torch.randn(512, 512), torch.randn(512, 512)
+    gm = make_fx(f)(x, w)
+    est = build_choice.estimate(gm)
+    assert est.kernels == 4  # mm, relu-mul-add, sum, mm
+    flops = 2 * 2 * 512 ** 3
+    assert est.device_us >= flops / build_choice.PEAK_FLOPS_OTHER * 1e6
+
+
+# ------------------------------------------------------------------ a real compile (CPU)
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = torch.nn.Linear(24, 56), torch.nn.LayerNorm(56), torch.nn.Linear(56, 7)
+
+    def forward(self, x):
+        return self.b(self.norm(torch.nn.functional.silu(self.a(x))))
+
+
+def test_phases_add_up_to_the_wall_time_of_the_compile(caplog):
+    """The first training step of a small model: its forward call (Dynamo's compile of the frame,
+    the forward's first call) and its backward (the lazy backward compile, its first call)."""
+    torch.manual_seed(0)
+    model, x = _Net(), torch.randn(9, 24)
+    compiled = torch.compile(model, backend="enn")
+    with caplog.at_level(logging.INFO, logger="enn_backend"):
+        t0 = time.perf_counter()
+        compiled(x).sum().backward()
+        wall = time.perf_counter() - t0
+    graphs = enn_backend.report().graphs
+    assert [g.id for g in graphs] == ["g0/forward", "g0/backward"]
+    total = sum(sum(g.compile_phases.values()) for g in graphs)
+    assert abs(total - wall) <= 0.1 * wall, (total, wall, [g.compile_phases for g in graphs])
+    fwd, bwd = graphs
+    for phase in ("dynamo", "aot_autograd", "enn", "inductor", "kernel_compile", "guard", "first_run"):
+        assert fwd.compile_phases.get(phase, 0.0) > 0, (phase, fwd.compile_phases)
+    for phase in ("aot_autograd", "inductor", "kernel_compile", "guard", "first_run"):
+        assert bwd.compile_phases.get(phase, 0.0) > 0, (phase, bwd.compile_phases)
+    assert "dynamo" not in bwd.compile_phases  # Dynamo traced the frame once: the forward's
+    # enn's own work among torch's compile events (tlparse, chromium traces)
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    for name in ("enn_backend.compile_unit", "enn_backend.compile_graph", "enn_backend.passes"):
+        assert metrics.get(name), name
+    # one info line per graph, and the report's table
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("enn compile time")]
+    assert [ln.split(":")[0] for ln in lines] == ["enn compile time g0/forward", "enn compile time g0/backward"]
+    text = str(enn_backend.report())
+    assert "compile time by phase" in text and "kernel_compile" in text
+    # and the tape is off again: nothing of enn's stays on torch's logger
+    assert "log_event_end" not in vars(torch._dynamo.utils.get_chromium_event_logger())
+
+
+@pytest.mark.slow
+def test_the_cpp_wrapper_goes_to_host_bound_graphs_only(monkeypatch):
+    """With enn's C++ wrapper default on the CPU too (on CUDA it is enn's default): a graph of a
+    few small kernels gets it, one large GEMM does not; each choice is in the report."""
+    monkeypatch.setitem(graph_compiler.COMPILE_FX_DEFAULTS, "cpu", {"cpp_wrapper": True})
+    small, large = torch.nn.Linear(8, 8), torch.nn.Linear(2048, 2048, bias=False)
+    with torch.no_grad():
+        torch.compile(small, backend="enn")(torch.randn(4, 8))
+        torch.compile(large, backend="enn")(torch.randn(2048, 2048))
+    g_small, g_large = enn_backend.report().graphs
+    assert g_small.build_choices["options"] == {"cpp_wrapper": True}
+    assert g_large.build_choices["options"] == {"cpp_wrapper": False}
+    assert g_large.build_choices["reason"].startswith("not host-bound")
+    assert g_small.compile_phases.get(CompilePhase.CPP_WRAPPER.value, 0.0) > 0
+    assert CompilePhase.CPP_WRAPPER.value not in g_large.compile_phases
+    text = format_report(enn_backend.report().to_dict())
+    assert "build choices:" in text and "cpp_wrapper=False (not host-bound" in text
