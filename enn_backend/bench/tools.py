@@ -26,6 +26,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "gpu_warm_start": ("GPU", "cold and warm start per variant, a new process each"),
     "gpu_first_compile": ("GPU", "a process's first compile: C++ compiler, precompiled header"),
     "gpu_compile_profile": ("GPU", "one workload's cold compile per compiler phase"),
+    "compile_breakdown": ("CPU/GPU", "cold first call per workload, enn vs Inductor, by phase"),
     "guard_overhead": ("CPU/GPU", "the guard's cost per mode against guard off and Inductor"),
     "host_tax": ("CPU/GPU", "the guard's host cost per call on a call-bound graph"),
     "host_profile": ("CPU/GPU", "where a step's host time goes, enn against Inductor"),
