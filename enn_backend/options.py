@@ -97,6 +97,9 @@ class GuardMode(str, enum.Enum):
 GUARD_MODES = tuple(m.value for m in GuardMode)
 ATTENTION_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math", "flex", "explicit")
 MASKED_ROW_MODES = ("eager", "zero")
+# GEMM epilogue families (custom_ops/gemm_policy.py): what `epilogue_off` may name
+EPILOGUE_FAMILIES = ("bias", "relu", "gelu", "gelu_tanh", "silu", "residual")
+MAX_AUTOTUNE_MEASURE_MS = 200  # measure_ms under mode="max-autotune" when the option is 0
 TAIL_MODES = ("auto", "on", "off")
 COMPILE_MODES = (
     "default",
@@ -234,6 +237,27 @@ class Options:
         default=True,
         metadata=_meta("ENN_EPILOGUE", "Fuse GEMM + bias + activation into enn::gemm_bias_act."),
     )
+    epilogue_off: str = field(
+        default="",
+        metadata=_meta(
+            "ENN_EPILOGUE_OFF",
+            "Comma-separated GEMM epilogue families forced onto the un-fused path (bias, relu, gelu, gelu_tanh, silu, residual, or all).",
+        ),
+    )
+    measure_ms: int = field(
+        default=0,
+        metadata=_meta(
+            "ENN_MEASURE_MS",
+            "Time budget (ms) per kernel choice for timing the eligible kernels on the real shapes at compile time, cached in cache_dir (0: rules only; mode='max-autotune' then measures with 200).",
+        ),
+    )
+    nvtx: bool = field(
+        default=False,
+        metadata=_meta(
+            "ENN_NVTX",
+            "Put every fused site and pinned op in a named NVTX range (and torch.profiler record): enn/<kind>/<kernel> <module path>.",
+        ),
+    )
     precision: bool = field(
         default=True,
         metadata=_meta("ENN_PRECISION", "Keep low-precision softmax/norm/reduction math in fp32 (decompositions and pass)."),
@@ -339,6 +363,14 @@ class Options:
                     raise OptionsError(
                         f"enn: attention_order entry {name!r} is not one of {', '.join(ATTENTION_BACKENDS[1:])}"
                     )
+        if self.measure_ms < 0:
+            raise OptionsError(f"enn: measure_ms must be >= 0, got {self.measure_ms}")
+        if self.epilogue_off:
+            for name in self.epilogue_off.split(","):
+                if name.strip() not in (*EPILOGUE_FAMILIES, "all"):
+                    raise OptionsError(
+                        f"enn: epilogue_off entry {name!r} is not one of {', '.join(EPILOGUE_FAMILIES)}, all"
+                    )
         if self.fault_inject:
             try:
                 parse_fault_specs(self.fault_inject)
@@ -358,6 +390,17 @@ class Options:
 
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
+
+    def unfused_epilogues(self) -> frozenset[str]:
+        """The epilogue families ``epilogue_off`` forces onto the un-fused path."""
+        names = {n.strip() for n in self.epilogue_off.split(",") if n.strip()}
+        return frozenset(EPILOGUE_FAMILIES) if "all" in names else frozenset(names)
+
+    def measure_budget_ms(self) -> int:
+        """Time per kernel choice for measurement: ``measure_ms``, else 200 under max-autotune, else 0 (rules only)."""
+        if self.measure_ms > 0:
+            return self.measure_ms
+        return MAX_AUTOTUNE_MEASURE_MS if self.mode.startswith("max-autotune") else 0
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "enn")

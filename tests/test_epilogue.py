@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import enn_backend
 from enn_backend.custom_ops import gemm as G
+from enn_backend.custom_ops import gemm_policy as P
 from enn_backend.passes import epilogue as E
 from enn_backend.report import FallbackKind
 from pass_harness import assert_ops, count_ops, find_ops, run_passes
@@ -77,15 +78,11 @@ def _close_to_fp64(got: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor) 
 
 @pytest.fixture
 def fp32_fused(monkeypatch):
-    """Let the CPU policy fuse fp32 too (it declines fp32 by measurement)."""
-    orig = G.check_onednn
+    """Let the CPU rules prefer oneDNN for fp32 too (they keep fp32 with Inductor by measurement)."""
+    def order(p):
+        return (P.GemmKernel.ONEDNN, P.GemmKernel.INDUCTOR) if p.device_type == "cpu" else P.default_order(p)
 
-    def check(p, caps):
-        if p.dtype == torch.float32 and p.device_type == "cpu" and caps.onednn:
-            return True, "test: fp32 forced"
-        return orig(p, caps)
-
-    monkeypatch.setattr(G, "check_onednn", check)
+    monkeypatch.setattr(P, "POLICY", dataclasses.replace(P.POLICY, order=order))
 
 
 # ----------------------------------------------------------------------------- the op
@@ -374,10 +371,10 @@ def test_cublaslt_lowering_path_on_cpu(monkeypatch):
     CPU's _addmm_activation computes the same relu, so the Inductor extern mechanics are tested."""
     orig = G.select_kernel
 
-    def select(p, caps=None):
+    def select(p, caps=None, measurement=None):
         if p.act == "relu" and p.has_bias:
-            return G.KernelChoice("cublaslt", "test: forced")
-        return orig(p, caps)
+            return G.KernelChoice(G.GemmKernel.CUBLASLT, "test: forced")
+        return orig(p, caps, measurement)
 
     monkeypatch.setattr(G, "select_kernel", select)
     monkeypatch.setattr(G, "run_cublaslt", lambda *a: pytest.fail("eager op impl called from compiled code"))
@@ -389,5 +386,6 @@ def test_cublaslt_lowering_path_on_cpu(monkeypatch):
         want = model(x)
     assert [c["choice"] for c in _choices()] == ["cublaslt", "cublaslt"]
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(G, "run_cublaslt", P.run_cublaslt)  # the harness runs the graph eagerly: the op's body
     run = run_passes(model, (x,), ["epilogue"], training=False)
     assert _fused_acts(run.after) == ["relu", "relu"] and count_ops(run.after, aten.addmm) == 0

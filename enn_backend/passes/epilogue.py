@@ -1,4 +1,5 @@
-"""Epilogue pass: GEMM + bias + activation -> ``enn::gemm_bias_act``.
+"""Epilogue pass: GEMM + bias + activation -> ``enn::gemm_bias_act``; GEMM + residual add ->
+``enn::gemm_residual``.
 
 Runs on the joint graph (training: forward + backward; inference: the forward), where
 Inductor's decompositions have already run. There GELU is no longer one node: it is an
@@ -22,9 +23,15 @@ pre-activation (``gelu'(pre)``); the fused kernel does not return it, and keepin
 GEMM as well would compute it twice, so the match is declined. relu's backward reads
 the relu output (``out <= 0``), so relu is fused in training too.
 
-Then :func:`enn_backend.custom_ops.gemm.select_kernel` (a pure checker; numbers in
-custom_ops/gemm.py) decides whether a fused kernel beats Inductor on this device and
-dtype; where it does not, the graph is left to Inductor.
+Without an activation, the GEMM's single user may be an ``add`` of a tensor of the output's
+shape and dtype: the residual family (``x + self.o_proj(h)``). With measurement on
+(``measure_ms``, or max-autotune) a GEMM + bias alone is a site too (the bias family), which
+only a measured win takes off Inductor's ``addmm``.
+
+Then the kernel registry (``custom_ops/gemm_policy.py``: a checker per kernel, the rules that
+order them, measurement when it is on) decides whether a fused kernel beats Inductor on this
+device, dtype and shape; where it does not, or the family is named in ``epilogue_off``, the
+graph is left to Inductor. The chosen kernel is the emitted op's ``kernel`` argument.
 
 Every decision is visible: rewrites as ``ctx.fusion("epilogue")`` and a kernel choice;
 declines in the debug log and as an ``inductor`` kernel choice with the reason; declines
@@ -44,6 +51,7 @@ import torch.fx as fx
 from enn_backend.custom_ops import gemm as G
 
 from .. import compat
+from ..registry import Measurement, cache_for
 from ..report import FallbackKind
 from .fx_utils import VIEWS, ancestors, insert, is_call, val
 from .manager import EnnPass, PassContext
@@ -193,6 +201,11 @@ class Match:
     act: str
     chain: list[fx.Node] = field(default_factory=list)  # GEMM..out, graph order
     outside: list[fx.Node] = field(default_factory=list)  # users of the chain besides out's
+    residual: fx.Node | None = None  # the residual family: the tensor added to the GEMM's output
+
+    @property
+    def family(self) -> str:
+        return "residual" if self.residual is not None else ("bias" if self.act == "none" else self.act)
 
 
 def find_match(src: Source) -> Match | None:
@@ -216,6 +229,33 @@ def find_match(src: Source) -> Match | None:
     return Match(src, out, act, sorted(chain, key=order.get), outside)
 
 
+def _chain_match(src: Source, out: fx.Node, act: str, residual: fx.Node | None = None) -> Match:
+    chain = list(src.nodes) + ([out] if out is not src.out else [])
+    members = set(chain)
+    outside = sorted({u for n in chain if n is not out for u in n.users if u not in members},
+                     key={n: i for i, n in enumerate(src.out.graph.nodes)}.get)
+    return Match(src, out, act, chain, outside, residual)
+
+
+def find_residual(src: Source) -> Match | None:
+    """``src`` followed by one ``add`` of a tensor of its output's shape and dtype, or None."""
+    if len(src.out.users) != 1:
+        return None
+    (u,) = src.out.users
+    if not (is_call(u, aten.add.Tensor) and len(u.args) == 2 and not u.kwargs):
+        return None
+    other = u.args[1] if u.args[0] is src.out else u.args[0]
+    ov, gv = val(other), val(src.out)
+    if other is src.out or not isinstance(ov, torch.Tensor) or ov.shape != gv.shape or ov.dtype != gv.dtype:
+        return None
+    return _chain_match(src, u, "none", residual=other)
+
+
+def find_bias_only(src: Source) -> Match | None:
+    """``src`` with a bias and nothing fused after it: the bias family."""
+    return _chain_match(src, src.out, "none") if src.bias is not None else None
+
+
 # ----------------------------------------------------------------- the pass
 class EpiloguePass(EnnPass):
     """addmm / mm (+ bias) + relu / gelu / gelu_tanh / silu -> enn::gemm_bias_act."""
@@ -233,22 +273,25 @@ class EpiloguePass(EnnPass):
             src = find_source(n)
             if src is None:
                 continue
-            m = find_match(src)
+            m = find_match(src) or find_residual(src)
+            if m is None and self.opts.measure_budget_ms() > 0:
+                m = find_bias_only(src)
             if m is None:
                 continue
             ok, reason, choice = self.decide(m)
             if not ok:
-                log.debug("enn epilogue: declined %s -> %s at %s: %s", n.name, m.act, m.out.name, reason)
-                ctx.kernel_choice(m.out, "inductor", f"epilogue declined: {reason}", act=m.act)
+                log.debug("enn epilogue: declined %s -> %s at %s: %s", n.name, m.family, m.out.name, reason)
+                ctx.kernel_choice(m.out, "inductor", f"epilogue declined: {reason}", act=m.family)
                 if choice is not None and choice.actionable:
                     skipped.setdefault(reason, []).append(m.out)
                 continue
-            new = rewrite(graph, m)
+            new = rewrite(graph, m, choice.kernel)
             matches += 1
             ctx.fusion("epilogue")
-            ctx.kernel_choice(new, choice.kernel, choice.reason, act=m.act,
-                              dtype=str(val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name)
-            log.debug("enn epilogue: %s + %s (%s) -> %s [%s]", n.name, m.act, m.out.name, new.name, choice.kernel)
+            extra = {"how": choice.how, "timings_ms": dict(choice.timings_ms)} if choice.how != "rule" else {}
+            ctx.kernel_choice(new, choice.kernel.value, choice.reason, act=m.family,
+                              dtype=str(val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name, **extra)
+            log.debug("enn epilogue: %s + %s (%s) -> %s [%s]", n.name, m.family, m.out.name, new.name, choice.kernel)
         for reason, nodes in skipped.items():
             ctx.fallback(FallbackKind.PASS_SKIPPED, nodes, reason=f"epilogue fusion declined for {len(nodes)} GEMM(s): {reason}",
                          action="left to Inductor (extern GEMM + fused pointwise)")
@@ -256,25 +299,37 @@ class EpiloguePass(EnnPass):
             compat.stable_topological_sort(graph)
         return matches
 
-    @staticmethod
-    def decide(m: Match) -> tuple[bool, str, G.KernelChoice | None]:
-        """(rewrite?, reason, kernel choice) for a match; pure apart from reading metadata."""
+    def decide(self, m: Match) -> tuple[bool, str, G.KernelChoice | None]:
+        """(rewrite?, reason, kernel choice) for a match: the registry's choice (measured when on)."""
         if m.outside:
             names = ", ".join(u.name for u in m.outside[:3]) + (f" and {len(m.outside) - 3} more" if len(m.outside) > 3 else "")
             return False, (f"the pre-activation is also read by {len(m.outside)} other op(s) ({names}), "
                            "e.g. the activation's backward; the fused kernel does not return it"), None
-        gv, bv = val(m.src.gemm), val(m.src.bias)
-        problem = G.GemmProblem(device_type=gv.device.type, dtype=gv.dtype, act=m.act,
-                                has_bias=bv is not None, bias_dtype_matches=bv is None or bv.dtype == gv.dtype,
-                                autotune=G.autotuning())
-        choice = G.select_kernel(problem)
-        if choice.kernel == "inductor":
+        choice = G.select_kernel(self.problem(m), measurement=self.measurement())
+        if choice.kernel is G.GemmKernel.INDUCTOR:
             return False, choice.reason, choice
         return True, choice.reason, choice
 
+    def problem(self, m: Match) -> G.GemmProblem:
+        """The registry's problem for a match, from the graph's fake values."""
+        gv, bv, xv, wv = val(m.src.gemm), val(m.src.bias), val(m.src.x), val(m.src.w_t)
+        sizes = (xv.shape[0], wv.shape[1], xv.shape[1])
+        fixed = all(isinstance(s, int) for s in sizes)
+        return G.GemmProblem(
+            device_type=gv.device.type, dtype=gv.dtype, act=m.act, has_bias=bv is not None,
+            bias_dtype_matches=bv is None or bv.dtype == gv.dtype, autotune=G.autotuning(),
+            m=sizes[0] if fixed else None, n=sizes[1] if fixed else None, k=sizes[2] if fixed else None,
+            residual=m.residual is not None, unfused=m.family in self.opts.unfused_epilogues(),
+            layout=G.layout_of(xv, wv.t()))
 
-def rewrite(graph: fx.Graph, m: Match) -> fx.Node:
-    """Replace the chain GEMM..out by ``enn::gemm_bias_act`` (+ the view back)."""
+    def measurement(self) -> Measurement | None:
+        budget = self.opts.measure_budget_ms()
+        return Measurement(budget, cache_for(self.opts)) if budget > 0 else None
+
+
+def rewrite(graph: fx.Graph, m: Match, kernel: str = "") -> fx.Node:
+    """Replace the chain GEMM..out by ``enn::gemm_bias_act`` / ``enn::gemm_residual`` running
+    ``kernel`` (+ the view back)."""
     src, out = m.src, m.out
     mode = getattr(val(src.gemm), "fake_mode", None)  # graphs traced without fake values have none
     if is_call(src.w_t, aten.permute.default) and list(src.w_t.args[1]) == [1, 0]:
@@ -284,8 +339,19 @@ def rewrite(graph: fx.Graph, m: Match) -> fx.Node:
     else:
         weight = insert(graph, aten.permute.default, (src.w_t, [1, 0]), before=out, mode=mode)
     meta = {key: out.meta[key] for key in ("stack_trace", "nn_module_stack", "source_fn_stack") if key in out.meta}
-    new = insert(graph, torch.ops.enn.gemm_bias_act.default, (src.x, weight, src.bias, m.act), before=out, mode=mode,
-                 meta=meta)
+    if "nn_module_stack" in src.gemm.meta:  # the GEMM's module (the linear layer), not its caller's
+        meta["nn_module_stack"] = src.gemm.meta["nn_module_stack"]
+    kernel = str(kernel)
+    if m.residual is not None:
+        residual = m.residual
+        if src.view_size is not None:  # the residual as the 2-D GEMM output it is added to
+            flat = aten.view.default if val(residual).is_contiguous() else aten.reshape.default
+            residual = insert(graph, flat, (residual, list(val(src.gemm).shape)), before=out, mode=mode)
+        new = insert(graph, torch.ops.enn.gemm_residual.default, (src.x, weight, src.bias, residual, kernel),
+                     before=out, mode=mode, meta=meta)
+    else:
+        new = insert(graph, torch.ops.enn.gemm_bias_act.default, (src.x, weight, src.bias, m.act, kernel), before=out,
+                     mode=mode, meta=meta)
     result = new
     if src.view_size is not None:
         result = insert(graph, aten.view.default, (new, src.view_size), before=out, mode=mode)
@@ -298,4 +364,5 @@ def rewrite(graph: fx.Graph, m: Match) -> fx.Node:
     return new
 
 
-__all__ = ["EpiloguePass", "find_source", "find_match", "fingerprint", "rewrite", "Match", "Source"]
+__all__ = ["EpiloguePass", "find_source", "find_match", "find_residual", "find_bias_only", "fingerprint", "rewrite",
+           "Match", "Source"]
