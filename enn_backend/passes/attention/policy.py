@@ -9,13 +9,26 @@ Preference: ``attention_backend`` (ENN_ATTENTION_BACKEND) forces one; ``attentio
 (ENN_ATTENTION_ORDER) sets the order; else the default order for the device. A forced choice
 that its checker refuses falls back to the first one that passes, and the caller records a
 ``FallbackKind.KERNEL_CHOICE`` with the checker's reason.
+
+The choice is made by the kernel registry (``enn_backend.registry.select``) from :data:`POLICY`:
+these checkers, the default orders as its rules, ``explicit`` as the fallback behind every
+choice. With measurement on (a :class:`~enn_backend.registry.Measurement`, from ``measure_ms`` or
+max-autotune) and no kernel forced, the eligible SDPA kernels of an attention with no mask,
+bias or dropout tensor (causal or none) are timed on the real shapes (:func:`runner`); the
+decision to leave a site to Inductor stays the rules' (Inductor's code cannot be timed before
+it is compiled).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
 
 from ...custom_ops.attention import Backend
+from ...registry import ChoiceKey, Measurement, Policy, choice_key, select
 from .kernels import (check_cpu_flash, check_cudnn, check_efficient, check_explicit, check_flash, check_flex,
                       check_math)
 from .problem import AttentionProblem, Checker
@@ -119,15 +132,62 @@ def _expand(name: str, p: AttentionProblem) -> list[Backend]:
     return [Backend(name)]
 
 
+_SDPA = {B.FLASH: "FLASH_ATTENTION", B.EFFICIENT: "EFFICIENT_ATTENTION", B.CUDNN: "CUDNN_ATTENTION",
+         B.MATH: "MATH", B.CPU_FLASH: "FLASH_ATTENTION"}
+
+
+def runner(kernel: Backend, p: AttentionProblem) -> Optional[Callable[[], Any]]:
+    """SDPA with ``kernel`` forced, on random q / k / v of ``p``'s shapes (forward, and backward
+    in training); None for a kernel or a problem that cannot be timed alone (mask / bias / dropout
+    tensors, ALiBi, windows, dynamic shapes; flex, explicit and Inductor)."""
+    if (kernel not in _SDPA or p.has_mask or p.has_bias or p.alibi or p.window > 0 or p.dropout > 0
+            or not p.static_shapes or p.tq <= 0 or p.tk <= 0):
+        return None
+    dev, dtype = torch.device(p.device), getattr(torch, p.dtype)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(p.batch, p.heads_q, p.tq, p.head_dim, device=dev, dtype=dtype, generator=g)
+    k = torch.randn(p.batch, p.heads_kv, p.tk, p.head_dim, device=dev, dtype=dtype, generator=g)
+    v = torch.randn(p.batch, p.heads_kv, p.tk, p.head_dim_v, device=dev, dtype=dtype, generator=g)
+    backend = getattr(torch.nn.attention.SDPBackend, _SDPA[kernel])
+    gqa = p.heads_q != p.heads_kv
+
+    def run() -> Any:
+        with torch.nn.attention.sdpa_kernel([backend]), torch.enable_grad():
+            qq, kk, vv = ((t.detach().requires_grad_(p.training) for t in (q, k, v)))
+            out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=p.causal, enable_gqa=gqa)
+            if p.training:
+                out.sum().backward()
+            return out
+
+    return run
+
+
+def choice_key_of(p: AttentionProblem) -> Optional[ChoiceKey]:
+    if not p.static_shapes:
+        return None
+    structure = "causal" if p.causal else "none"
+    epilogue = structure + ("+train" if p.training else "")
+    return choice_key("attention", (p.batch, p.heads_q, p.heads_kv, p.tq, p.tk, p.head_dim, p.head_dim_v), "bhtd",
+                      epilogue, p.dtype, p.device)
+
+
+POLICY: Policy[Backend, AttentionProblem] = Policy(
+    op="attention", kernels=Backend, checkers=CHECKERS, order=default_order, fallback=B.EXPLICIT, runner=runner,
+    key=choice_key_of, device_type=lambda p: p.device)
+
+
 @dataclass(frozen=True)
 class Choice:
     backend: Backend
     reason: str
     forced_failed: str = ""  # the forced/preferred backend that was impossible, and why
+    how: str = "rule"  # rule | measured | cached | fallback (the registry's Selection.how)
 
 
-def choose(p: AttentionProblem, backend: str = "auto", order: str = "") -> Choice:
-    """Pick the backend for ``p``: forced -> order -> default order; explicit always works."""
+def choose(p: AttentionProblem, backend: str = "auto", order: str = "",
+           measurement: Optional[Measurement] = None) -> Choice:
+    """Pick the backend for ``p``: forced -> order -> default order; explicit always works.
+    Measurement (when given) applies to the default order only: a kernel the user names is kept."""
     preferred: list[Backend] = []
     if backend != "auto":
         preferred = _expand(backend, p)
@@ -137,11 +197,10 @@ def choose(p: AttentionProblem, backend: str = "auto", order: str = "") -> Choic
     fallback = list(default_order(p)) + [B.EXPLICIT]
     if preferred:  # a user who names kernels wants attention fused: never fall back to "unfused"
         fallback = [f for f in fallback if f is not B.INDUCTOR]
+    s = select(POLICY, p, order=preferred + fallback, measurement=None if preferred else measurement)
     failed = ""
-    for i, name in enumerate(preferred + fallback):
-        ok, why = CHECKERS[name](p)
-        if ok:
-            return Choice(name, why, failed)
-        if backend != "auto" and i < len(preferred) and not failed:
-            failed = f"{backend} impossible: {why}"
-    return Choice(B.EXPLICIT, "nothing else applies", failed)
+    if backend != "auto":
+        named = {b.value for b in preferred}
+        refused = next((v for v in s.verdicts if v.kernel in named and not v.eligible), None)
+        failed = f"{backend} impossible: {refused.reason}" if refused is not None else ""
+    return Choice(s.kernel, s.reason, failed, s.how)
