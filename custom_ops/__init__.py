@@ -6,6 +6,7 @@ a fake (meta) implementation, and passes ``torch.library.opcheck`` (tests/test_o
 - ``enn::pinned``   runs one ATen op eagerly from inside compiled code: the safe path
                     of a node the guard has pinned.
 - ``enn::fault``    the fault-injection op (ENN_FAULT_INJECT): raises or returns NaN/Inf.
+- ``enn::ranged``   runs one op inside a named profiler range (option ``nvtx``).
 
 Importing this package registers the ops with torch.library; it changes nothing else.
 """
@@ -14,5 +15,6 @@ from . import faults, pinned  # noqa: F401  (registration side effect: ops only)
 from . import attention  # noqa: F401
 from . import precision  # noqa: F401
 from . import gemm  # noqa: F401
+from . import ranged  # noqa: F401
 
 __all__ = ["faults", "pinned"]

@@ -6,7 +6,9 @@ calls it as an extern kernel: the node runs on the eager ATen kernel (its safe
 path) while every other node stays compiled and fused.
 
 ``spec`` is self-describing JSON (the op's name and a template of its arguments),
-so a graph with pinned nodes survives the FX graph cache and a new process.
+so a graph with pinned nodes survives the FX graph cache and a new process. A spec may name a
+profiler range (``range``, :func:`make_spec`'s ``range_name``; option ``nvtx``): the op then
+runs inside it (enn_backend.nvtx), and a spec without one adds nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 from typing import Any, Callable, Optional
 
 import torch
+
+from enn_backend.nvtx import named_range
 
 _TENSOR, _SYMINT, _LIST, _DTYPE, _DEVICE, _LAYOUT, _MEMFMT = "t", "s", "l", "dtype", "device", "layout", "mf"
 
@@ -53,8 +57,10 @@ def encode_args(args: Any, kwargs: dict[str, Any], is_tensor, is_symint) -> tupl
     return template, tensors, ints
 
 
-def make_spec(op: torch._ops.OpOverload, template: dict) -> str:
-    return json.dumps({"op": op_name(op), **template}, sort_keys=True)
+def make_spec(op: torch._ops.OpOverload, template: dict, range_name: str = "") -> str:
+    """The spec of ``op`` called as ``template`` says; ``range_name``: the profiler range it runs in."""
+    extra = {"range": range_name} if range_name else {}
+    return json.dumps({"op": op_name(op), **template, **extra}, sort_keys=True)
 
 
 def op_name(op: torch._ops.OpOverload) -> str:
@@ -129,12 +135,22 @@ def _eager_layout(t: Any) -> Any:
     return t.as_strided(t.shape, strides, t.storage_offset())
 
 
-def _run(spec: str, tensors: list, ints: list) -> list[torch.Tensor]:
+def call_spec(spec: str, tensors: list, ints: list, safe: bool = True) -> Any:
+    """The op ``spec`` names called on ``tensors`` / ``ints``: its safe path when ``safe``, else the op."""
     op, data = _decode(spec)
     tensors = [_eager_layout(t) for t in tensors]
     args = _fill(data["args"], tensors, ints)
     kwargs = {k: _fill(v, tensors, ints) for k, v in data["kwargs"].items()}
-    out = SAFE_PATHS.get(data["op"], op)(*args, **kwargs)
+    return (SAFE_PATHS.get(data["op"], op) if safe else op)(*args, **kwargs)
+
+
+def _run(spec: str, tensors: list, ints: list, fake: bool = False) -> list[torch.Tensor]:
+    op, data = _decode(spec)
+    if data.get("range") and not fake:
+        with named_range(data["range"]):
+            out = call_spec(spec, tensors, ints)
+    else:
+        out = call_spec(spec, tensors, ints)
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     # A custom op may not return an alias of its inputs: views are materialized. Nor an
     # undefined tensor (SDPA's memory-efficient backward gives no bias gradient without a
@@ -157,5 +173,5 @@ def pinned(spec: str, tensors: list[Optional[torch.Tensor]], ints: list[int]) ->
 
 @pinned.register_fake
 def _pinned_fake(spec: str, tensors: list, ints: list) -> list[torch.Tensor]:
-    return _run(spec, tensors, ints)
+    return _run(spec, tensors, ints, fake=True)
 

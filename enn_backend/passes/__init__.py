@@ -15,6 +15,7 @@ from .attention.kernels.flex import FlexConstantsPass
 from .epilogue import EpiloguePass
 from .fp32_tail import Fp32TailPass
 from .manager import EnnPass, ModuleState, PassContext, PassFailed, current_module_state, module_state
+from .nvtx import NvtxPass
 from .precision import PrecisionPass
 
 # All enn passes in run order (each runs in its own stage(s), in this order within a stage).
@@ -32,6 +33,9 @@ PASS_ORDER: tuple[type[EnnPass], ...] = (
     # flex constants (post-grad) after Inductor's fake-tensor propagation, which needs the lifts
     # the attention pass put around them.
     FlexConstantsPass,
+    # nvtx last (post-grad, option nvtx): it wraps the kernels the other passes emitted, in the
+    # forward and backward graphs as partitioned.
+    NvtxPass,
 )
 
 PASSES_BY_NAME: dict[str, type[EnnPass]] = {cls.name: cls for cls in PASS_ORDER}
@@ -46,5 +50,5 @@ class PassManager(manager.PassManager):
 
 
 __all__ = ["PASS_ORDER", "PASSES_BY_NAME", "AttentionPass", "EnnPass", "EpiloguePass", "FlexConstantsPass",
-           "Fp32TailPass", "ModuleState", "PassContext", "PassFailed", "PassManager", "PrecisionPass",
+           "Fp32TailPass", "ModuleState", "NvtxPass", "PassContext", "PassFailed", "PassManager", "PrecisionPass",
            "current_module_state", "module_state"]
