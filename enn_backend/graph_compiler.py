@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from . import blame, build_choice, compat
+from . import blame, build_choice, compat, nvtx
 from .custom_ops.pinned import EMITTED
 from .debug.repro import write_repro
 from .guard import graph_edit as E
@@ -232,7 +232,8 @@ class GraphCompiler:
         return frozenset(self._state_pins(exclude=self.pinned_names))
 
     def eager_callable(self) -> Callable[[list], Any]:
-        return boxed_eager(E.for_eager_runs(self.eager_gm))
+        """The graph run eagerly (ATen ops, no Inductor), inside an ``enn/eager`` range with option nvtx."""
+        return nvtx.wrap(boxed_eager(E.for_eager_runs(self.eager_gm)), self.opts.nvtx, "eager", "graph", self.record.id)
 
     # ---------------------------------------------------------------- building
     def _inductor_defaults(self, device: str) -> dict[str, Any]:

@@ -39,11 +39,14 @@ def test_a_fault_no_pin_removes_runs_the_graph_eagerly(monkeypatch):
     build = GraphCompiler.build
     monkeypatch.setattr(GraphCompiler, "build", lambda self, *a, **k: _nan_first_output(build(self, *a, **k)))
     model, x = _Small(), torch.randn(4, 8)
-    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    compiled = torch.compile(model, backend="enn", options={**ISOLATED, "nvtx": True})
     want = model(x)
-    for _ in range(3):  # the first call meets the fault; later calls run the eager graph
+    for _ in range(2):  # the first call meets the fault; the next runs the eager graph
         with torch.no_grad():
             torch.testing.assert_close(compiled(x), want)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, torch.no_grad():
+        torch.testing.assert_close(compiled(x), want)
+    ranges = {e.name for e in prof.events() if e.name.startswith("enn/")}
 
     rep = enn_backend.report().to_dict()
     (fb,) = rep["fallbacks"]
@@ -51,6 +54,7 @@ def test_a_fault_no_pin_removes_runs_the_graph_eagerly(monkeypatch):
     assert fb["action"] == "graph runs eagerly from now on (pinning every op did not remove the fault)"
     (g,) = rep["graphs"]
     assert g["path"] == "eager" and g["counters"]["faults"] == 1 and g["counters"]["calls"] == 3
+    assert ranges == {f"enn/eager/graph {g['id']}"}  # option nvtx: the eager-run graph is a named range
 
     guard = next(o for o in gc.get_objects() if type(o) is GuardedGraph and o.record.id == g["id"])
     assert guard.decision is not None and guard.decision.eager and not guard.decision.pins

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .. import compat
+from .. import compat, nvtx
 from ..report import FallbackKind, GraphCounter, GraphRecord, report
 from . import ranks
 from .calls import LADDER, Call, distributed
@@ -95,6 +95,8 @@ class GuardedGraph:
             self.schedule = replace(self.schedule, value_every=0, values_always=False)
         new = self.compiled if new is None else new
         self.compiler.adopt(new, pins=decision.pins, fp32=decision.fp32)
+        if decision.fp32:  # with option nvtx, a graph recomputed in fp32 shows as an enn/fp32 range
+            new = nvtx.wrap(new, self.facts.opts.nvtx, "fp32", "graph", rec.id)
         # The artifact first compiled is no longer the graph's: it must not reach AOTAutograd's
         # cache (enn_backend.aot_cache) if that saves it later.
         self.__dict__.pop("_fx_graph_cache_key", None)
