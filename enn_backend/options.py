@@ -101,6 +101,7 @@ MASKED_ROW_MODES = ("eager", "zero")
 EPILOGUE_FAMILIES = ("bias", "relu", "gelu", "gelu_tanh", "silu", "residual")
 MAX_AUTOTUNE_MEASURE_MS = 200  # measure_ms under mode="max-autotune" when the option is 0
 TAIL_MODES = ("auto", "on", "off")
+FP8_MODES = ("off", "rowwise", "tensorwise")  # option fp8 (custom_ops/fp8.py: the recipes)
 COMPILE_MODES = (
     "default",
     "reduce-overhead",
@@ -270,6 +271,21 @@ class Options:
             choices=TAIL_MODES,
         ),
     )
+    fp8: str = field(
+        default="off",
+        metadata=_meta(
+            "ENN_FP8",
+            "Run eligible GEMMs (linear / matmul, forward and backward) as dynamically scaled FP8 GEMMs: off | rowwise | tensorwise (torchao's recipes); where the device or torch cannot, a recorded no-op (enn_backend/passes/fp8.py).",
+            choices=FP8_MODES,
+        ),
+    )
+    fp8_exclude: str = field(
+        default="",
+        metadata=_meta(
+            "ENN_FP8_EXCLUDE",
+            "Comma-separated module-path globs (fnmatch, e.g. 'lm_head,layers.0.*') whose GEMMs stay in their own dtype under fp8.",
+        ),
+    )
     emulate_precision_casts: bool = field(
         default=False,
         metadata=_meta(
@@ -371,6 +387,8 @@ class Options:
                     raise OptionsError(
                         f"enn: epilogue_off entry {name!r} is not one of {', '.join(EPILOGUE_FAMILIES)}, all"
                     )
+        if self.fp8 is False:  # a pass that failed is switched off as False (backend.py)
+            object.__setattr__(self, "fp8", "off")
         if self.fault_inject:
             try:
                 parse_fault_specs(self.fault_inject)

@@ -13,6 +13,7 @@ from . import manager
 from .attention import AttentionPass
 from .attention.kernels.flex import FlexConstantsPass
 from .epilogue import EpiloguePass
+from .fp8 import Fp8Pass
 from .fp32_tail import Fp32TailPass
 from .manager import EnnPass, ModuleState, PassContext, PassFailed, current_module_state, module_state
 from .nvtx import NvtxPass
@@ -24,6 +25,9 @@ PASS_ORDER: tuple[type[EnnPass], ...] = (
     # Inductor's own fuse_attention (which runs between the pre and post stages) takes the
     # patterns it knows, and before precision rewrites softmax.
     AttentionPass,
+    # fp8 before epilogue: it takes the plain mm / addmm GEMMs (fwd and bwd) it finds eligible,
+    # which the epilogue would otherwise fuse into enn::gemm_bias_act; the rest stay the epilogue's.
+    Fp8Pass,
     # epilogue before precision: it matches addmm + activation as Inductor emits them.
     EpiloguePass,
     # precision after the fusions: it promotes whatever low-precision reductions remain.
