@@ -1,0 +1,212 @@
+"""FP8 GEMMs (option ``fp8``): enn::fp8_mm, its FP8 bound, the pass's rules, the guard's demotion.
+
+CPU: torch's CPU ``_scaled_mm`` runs both recipes on this torch, so CPU is eligible (the pass
+probes it); shapes here are small, which on CPU has no minimum beyond multiples of 16.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import enn_backend
+from enn_backend.custom_ops import fp8 as F8
+from enn_backend.options import Options, OptionsError
+from enn_backend.passes import fp8 as P
+from enn_backend.report import FallbackKind
+from pass_harness import find_ops, run_passes
+
+enn = torch.ops.enn
+pytestmark = pytest.mark.skipif(not F8.cpu_scaled_mm_works(torch.bfloat16, "rowwise")[0],
+                                reason="this torch's CPU _scaled_mm cannot run FP8 GEMMs")
+
+
+class Net(nn.Module):
+    """Six linear layers, one per rule: 0 first, 1 FP8, 2 (N=24) and 3 (K=24) shapes off the
+    multiple of 16, 4 excluded (``fp8_exclude="layers.4"``), 5 last. Tokens: 4 x 16 = 64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        dims = [(32, 64), (64, 64), (64, 24), (24, 64), (64, 64), (64, 16)]
+        self.layers = nn.ModuleList(nn.Linear(i, o) for i, o in dims)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for i, layer in enumerate(self.layers):
+                x = layer(x)
+                x = torch.relu(x) if i < len(self.layers) - 1 else x
+        return x.float().pow(2).mean()
+
+
+OPTS = {"fp8_exclude": "layers.4", "persist": True, "repro": True}
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1))
+
+
+# ----------------------------------------------------------------- options
+def test_unknown_fp8_value_is_refused_naming_the_valid_ones(monkeypatch):
+    with pytest.raises(OptionsError, match="off, rowwise, tensorwise"):
+        Options.from_sources({"fp8": "fp4"}, environ={})
+    with pytest.raises(OptionsError, match="off, rowwise, tensorwise"):
+        Options.from_sources({}, environ={"ENN_FP8": "delayed"})
+    assert Options.from_sources({}, environ={"ENN_FP8": "tensorwise"}).fp8 == "tensorwise"
+    assert Options.from_sources({}, environ={}).fp8 == "off"
+
+
+# ----------------------------------------------------------------- the op and its bound
+@pytest.mark.parametrize("recipe", F8.RECIPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_op_values_and_gradients_within_the_fp8_bound(recipe, dtype):
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(48, 64, generator=g) * 3).to(dtype).requires_grad_(True)
+    b = (torch.randn(64, 32, generator=g) / 5).to(dtype).requires_grad_(True)
+    bias = torch.randn(32, generator=g).to(dtype)
+    out = enn.fp8_mm(a, b, bias, recipe, "e4m3", "e4m3")
+    exact = a.detach().double() @ b.detach().double() + bias.double()
+    bound = F8.error_bound(a.detach(), b.detach(), recipe, "e4m3", "e4m3")
+    err = (out.detach().double() - exact).abs()
+    assert out.dtype == dtype and bool((err <= bound).all()), float((err / bound).max())
+    # FP8's error is real (not a bf16 GEMM in disguise): well above bf16's own rounding
+    assert float(err.max()) > 4 * float((torch.mm(a, b).detach().double() + bias.double() - exact).abs().max())
+    # gradients: FP8 GEMMs in the recipe's gradient format, each within its own bound
+    grad = torch.randn(48, 32, generator=g).to(dtype)
+    ga, gb = torch.autograd.grad(out, (a, b), grad)
+    g_fmt = F8.formats_for(recipe, True, False)[0]
+    assert g_fmt == ("e5m2" if recipe == "tensorwise" else "e4m3")
+    for got, (x, y, fx, fy) in ((ga, (grad, b.detach().t(), g_fmt, "e4m3")), (gb, (a.detach().t(), grad, "e4m3", g_fmt))):
+        e = (got.double() - x.double() @ y.double()).abs()
+        assert bool((e <= F8.error_bound(x, y, recipe, fx, fy)).all())
+
+
+def test_safe_path_is_the_gemm_in_its_own_dtype():
+    from enn_backend.custom_ops.pinned import SAFE_PATHS
+
+    a, b, bias = torch.randn(16, 32).bfloat16(), torch.randn(32, 16).bfloat16(), torch.randn(16).bfloat16()
+    assert torch.equal(SAFE_PATHS["enn.fp8_mm.default"](a, b, bias, "rowwise", "e4m3", "e4m3"), torch.addmm(bias, a, b))
+
+
+def test_opcheck():
+    for args, kwargs in F8.OPCHECK_SAMPLES()["enn::fp8_mm"]:
+        torch.library.opcheck(enn.fp8_mm.default, args, kwargs)
+
+
+# ----------------------------------------------------------------- the pass
+def _choices(run) -> dict[str, list[dict]]:
+    by_module: dict[str, list[dict]] = {}
+    for c in run.choices:
+        if "role" in c:
+            by_module.setdefault(c["module"], []).append(c)
+    return by_module
+
+
+@pytest.mark.parametrize("recipe", F8.RECIPES)
+def test_rewrite_structure_and_reasons(recipe):
+    run = run_passes(Net(), [_x()], passes=["fp8"], options={"fp8": recipe, "fp8_exclude": "layers.4"})
+    ops = find_ops(run.after, enn.fp8_mm.default)
+    # layer 1 only: its forward GEMM and both gradient GEMMs
+    assert run.matches == {"fp8": 3} and len(ops) == 3
+    formats = sorted((n.args[4], n.args[5]) for n in ops)
+    grad = "e5m2" if recipe == "tensorwise" else "e4m3"
+    assert formats == sorted([("e4m3", "e4m3"), (grad, "e4m3"), (grad, "e4m3")])
+    assert all(n.args[3] == recipe and n.meta["val"].dtype == torch.bfloat16 for n in ops)
+    by_module = _choices(run)
+    assert {c["choice"] for c in by_module["layers.1"]} == {"fp8"}
+    assert {c["role"] for c in by_module["layers.1"]} == {"forward", "backward"}
+    scales = "per row of a, per column of b (power of 2)" if recipe == "rowwise" else "per tensor"
+    assert all(c["scales"] == scales for c in by_module["layers.1"])
+    why = {m: {c["reason"].split(": ")[1] for c in cs} for m, cs in by_module.items() if m != "layers.1"}
+    assert all(c["choice"] == "bfloat16" for m, cs in by_module.items() if m != "layers.1" for c in cs)
+    assert why["layers.0"] == {"layer"} and "first layer" in by_module["layers.0"][0]["reason"]
+    assert why["layers.5"] == {"layer"} and "last layer" in by_module["layers.5"][0]["reason"]
+    assert why["layers.4"] == {"layer"} and "fp8_exclude 'layers.4'" in by_module["layers.4"][0]["reason"]
+    assert why["layers.2"] == why["layers.3"] == {"shape"}
+    assert "multiple of 16" in by_module["layers.2"][0]["reason"]
+
+
+def test_off_by_default_and_a_recorded_no_op_where_unsupported(monkeypatch, caplog):
+    run = run_passes(Net(), [_x()], passes=["fp8"])
+    assert run.matches == {"fp8": 0} and not find_ops(run.after, enn.fp8_mm.default)
+    monkeypatch.setattr(P, "device_support", lambda *a: (False, "this torch's CPU _scaled_mm cannot: probe"))
+    enn_backend.reset()
+    with caplog.at_level(logging.WARNING, logger="enn_backend"):
+        run = run_passes(Net(), [_x()], passes=["fp8"], options={"fp8": "rowwise"})
+    assert run.matches == {"fp8": 0} and not find_ops(run.after, enn.fp8_mm.default)
+    skipped = [f for f in enn_backend.report().fallbacks if f.kind == FallbackKind.PASS_SKIPPED.value]
+    assert len(skipped) == 1 and "fp8='rowwise' is a no-op here" in skipped[0].reason and "probe" in skipped[0].reason
+    assert any("no-op here" in r.getMessage() for r in caplog.records)
+
+
+def test_shape_rule():
+    assert P.shape_reason(64, 64, 64, "cpu") == ""
+    assert "multiple of 16" in P.shape_reason(64, 24, 64, "cpu")
+    assert P.shape_reason(2048, 2048, 2048, "cuda") == ""
+    assert "MNK/(MK+KN)" in P.shape_reason(64, 64, 64, "cuda")
+
+
+# ----------------------------------------------------------------- the guard
+def _train(options: dict, steps: int = 2):
+    model = Net()
+    compiled = torch.compile(model, backend="enn", options={**OPTS, **options})
+    x = _x()
+    for _ in range(steps):
+        model.zero_grad()
+        compiled(x).backward()
+    return model
+
+
+def _pins() -> dict[str, list[str]]:
+    """graph id -> the modules of its pinned ops."""
+    out = {}
+    for g in enn_backend.report().graphs:
+        out[g.id] = sorted({g.sites.get(n, {}).get("module", "?") for n in g.pinned})
+    return out
+
+
+def _assert_close_to_bf16(grads: list[torch.Tensor]) -> None:
+    """Each gradient points where eager bf16's does (cosine >= 0.95): FP8's rounding in the
+    layer's GEMMs moves it by a few percent; a wrong or non-finite value does not pass."""
+    model = Net()
+    model(_x()).backward()
+    for got, want in zip(grads, [p.grad for p in model.parameters()]):
+        cos = torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten().double(), dim=0)
+        assert float(cos) >= 0.95, float(cos)
+
+
+@pytest.mark.parametrize("spec, phase", [("enn.fp8_mm:nan:bwd", "backward"),
+                                         ("enn.fp8_mm:inf:fwd", "forward"),
+                                         ("enn.fp8_mm:scale1.5:fwd", "forward")])
+def test_injected_fault_demotes_only_the_fp8_layer(spec, phase, tmp_path):
+    model = _train({"fp8": "rowwise", "fault_inject": spec})
+    grads = [p.grad for p in model.parameters()]
+    assert all(bool(torch.isfinite(g).all()) for g in grads)  # nothing non-finite reaches an optimizer
+    _assert_close_to_bf16(grads)
+    pins = _pins()
+    faulted = [gid for gid, mods in pins.items() if mods]
+    assert all(pins[g] == ["layers.1"] for g in faulted) and any(g.endswith(phase) for g in faulted), pins
+    kinds = {f.kind for f in enn_backend.report().fallbacks if f.phase != "compile"}
+    assert kinds & {"nonfinite", "value"}
+    # the pinned op runs the GEMM in bf16 inside the compiled graph; the rest stays compiled
+    rec = next(g for g in enn_backend.report().graphs if g.id.endswith(phase))
+    assert rec.path == "inductor" and rec.compiled_nodes > 0
+    # recorded in kernel state, with a repro script
+    cache = os.environ["ENN_CACHE_DIR"]
+    files = [f for f in os.listdir(cache) if f.startswith("kernel_state-inject-") and f.endswith(".json")]
+    state = json.dumps([json.load(open(os.path.join(cache, f))) for f in files])
+    assert '"enn.fp8_mm|inductor-cpu|cpu|bfloat16|' in state, state
+    repros = os.listdir(os.environ["ENN_REPRO_DIR"])
+    assert any("fp8_mm" in r for r in repros), repros
+
+
+def test_no_fault_keeps_fp8_and_trains_close_to_bf16():
+    model = _train({"fp8": "tensorwise"})
+    assert all(not mods for mods in _pins().values())
+    assert enn_backend.report().graphs[0].fusions.get("fp8") == 3
+    _assert_close_to_bf16([p.grad for p in model.parameters()])
