@@ -216,23 +216,24 @@ def attribute(events: list[Event], roots: list[Event], owner: Callable[[Event], 
 
 
 # ------------------------------------------------------------------ the first call
-class FirstCallClock(GuardedGraph):
-    """A guarded graph before its first call: that call is timed (``guard`` and ``first_run``),
-    then the object is a plain :class:`GuardedGraph` again (no cost on later calls)."""
+class FirstCallClock:
+    """Times a guarded graph's first call by phase: ``first_run`` (the compiled code) and
+    ``guard`` (the rest: screens, value checks, the ladder), less the compile events inside.
+    Armed on a graph (:meth:`arm`), it is called once, by the graph, for its first call
+    (``GuardedGraph.first_call_clock``); later calls pay nothing."""
 
     @classmethod
     def arm(cls, guarded: GuardedGraph) -> GuardedGraph:
-        if type(guarded) is GuardedGraph:
-            guarded.__class__ = cls
+        guarded.first_call_clock = cls()
         return guarded
 
-    def __call__(self, args: list) -> Any:
-        self.__class__ = GuardedGraph
+    def time(self, graph: GuardedGraph, rest: Callable[[list], Any], args: list) -> Any:
+        """``rest(args)`` (the graph's call), timed; the graph's artifact is timed inside it."""
         st = _state()
         _listen(st)
-        call = _FirstCall(self.record)
+        call = _FirstCall(graph.record)
         st.first_calls.append(call)
-        compiled = self.compiled
+        compiled = graph.compiled
         run_s = 0.0
 
         def timed(inner_args: list) -> Any:
@@ -246,17 +247,16 @@ class FirstCallClock(GuardedGraph):
                 call.in_run = False
 
         timed._boxed_call = True  # type: ignore[attr-defined]
-        self.compiled = timed
+        graph.compiled = timed  # for this call only (a decision of the ladder may replace it)
         t0 = time.perf_counter()
         try:
-            return GuardedGraph.__call__(self, args)
+            return rest(args)
         finally:
             wall = time.perf_counter() - t0
-            if self.compiled is timed:
-                self.compiled = compiled
+            if graph.compiled is timed:
+                graph.compiled = compiled
             st.first_calls.remove(call)
-            self.record.add_compile_time(CompilePhase.FIRST_RUN, max(0.0, run_s - call.events_in_run_s))
-            self.record.add_compile_time(CompilePhase.GUARD,
-                                         max(0.0, wall - run_s - call.events_outside_s))
+            graph.record.add_compile_time(CompilePhase.FIRST_RUN, max(0.0, run_s - call.events_in_run_s))
+            graph.record.add_compile_time(CompilePhase.GUARD, max(0.0, wall - run_s - call.events_outside_s))
             _maybe_stop(st)
-            log_compile_time(self.record)
+            log_compile_time(graph.record)

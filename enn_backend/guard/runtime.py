@@ -74,6 +74,8 @@ class GuardedGraph:
         self.screen_later: bool | None = None  # decided by the first synchronously checked call
         self._late: LateScreen | None = None
         self._late_host: torch.Tensor | None = None
+        # times the first call by phase, then unset (enn_backend.compile_time.FirstCallClock)
+        self.first_call_clock: Any = None
         self._boxed_call = True  # an instance attribute: torch._dynamo.disable copies __dict__
 
     @property
@@ -149,7 +151,14 @@ class GuardedGraph:
         return self._after(None, exc, Call(None, None, None, generation), False)
 
     def _scheduled(self, args: list) -> Any:
-        """A call at or past ``due``: what it does (guard.schedule), and the next ``due``."""
+        """A call at or past ``due`` (the first call timed by phase where a clock is armed)."""
+        if self.first_call_clock is not None:
+            clock, self.first_call_clock = self.first_call_clock, None
+            return clock.time(self, self._act, args)
+        return self._act(args)
+
+    def _act(self, args: list) -> Any:
+        """What a call at or past ``due`` does (guard.schedule), and the next ``due``."""
         if self._late is not None:
             self._read_late()
         action = self.schedule.action(self.calls, self.since_build, self.first_call_values,
