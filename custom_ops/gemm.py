@@ -28,6 +28,7 @@ output's gradient.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -48,7 +49,8 @@ KERNEL_NAMES = ("",) + tuple(k.value for k in GemmKernel)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1])
+    """``x`` as ``[rows, last]``; the row count spelled out, so that a last dimension of 0 (K = 0) reshapes."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
 
 
 _FAILED: set[tuple] = set()  # process-wide: the kernels that failed here (a set add is atomic under the GIL)
@@ -174,7 +176,7 @@ def gemm_residual(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     """``x @ weight.T + bias + residual`` with the chosen kernel (see the module doc)."""
     _check_residual(x, weight, bias, residual, kernel)
     k = _kernel_for(kernel, problem_of(x, weight, bias, "none", residual))
-    x2, r2, shape = _flat(x), residual.reshape(-1, weight.shape[0]), residual.shape
+    x2, r2, shape = _flat(x), _flat(residual), residual.shape
     if k is not GemmKernel.ADDMM:
         k = GemmKernel.INDUCTOR
     return _ladder("enn::gemm_residual", k, (k, x.device.type, x.dtype, "residual"),
