@@ -24,7 +24,7 @@ import torch.fx as fx
 from ... import compat
 from ... import custom_ops  # noqa: F401  (registers the enn ops the pass emits)
 from ...custom_ops.attention import Backend
-from ...report import FallbackKind, report
+from ...report import FallbackKind
 from ..fx_utils import fake_mode, is_call
 from ..manager import EnnPass, PassContext, current_module_state
 from .match import Skip, Unread, match_at
@@ -70,8 +70,8 @@ class AttentionPass(EnnPass):
             except Skip as why:
                 reason = f"attention at {n.name} not fused: {why}"
                 if ctx.once(reason):  # the pass runs at two stages, and a site it leaves is there at both
-                    report().add_fallback(FallbackKind.PASS_SKIPPED, node=n.name, phase="compile", graph=ctx.unit,
-                                          reason=reason, action="left as written", level=logging.INFO)
+                    ctx.fallback(FallbackKind.PASS_SKIPPED, [n], reason=reason, action="left as written",
+                                 level=logging.INFO)
         replanned = replan_sdpa_calls(graph, mode, ctx) if mode is not None else 0
         if count or replanned:
             graph.eliminate_dead_code()
@@ -87,8 +87,8 @@ class AttentionPass(EnnPass):
     def _fuse(self, graph: fx.Graph, plan: Plan, mode: object, ctx: PassContext) -> int:
         out, choice = plan.match.out, plan.choice
         if choice.forced_failed:
-            report().add_fallback(FallbackKind.KERNEL_CHOICE, node=out.name, phase="compile", graph=ctx.unit,
-                                  reason=choice.forced_failed, action=f"using {choice.backend} ({choice.reason})")
+            ctx.fallback(FallbackKind.KERNEL_CHOICE, [out], reason=choice.forced_failed,
+                         action=f"using {choice.backend} ({choice.reason})", level=logging.WARNING)
         tensors = {"mask_tensor": plan.provenance} if plan.provenance else {}
         if choice.backend is Backend.INDUCTOR:
             ctx.kernel_choice(out, choice.backend.value, choice.reason, fused=False, **tensors)

@@ -27,6 +27,16 @@ them, a dropout whose mask is not a fresh draw or whose scale is not ``1 / (1 - 
 over another axis) raises :class:`Skip` with the reason, which the pass records; scores it cannot
 read raise :class:`Unread`, recorded only at the pass's last stage (Inductor's clean-up between
 the stages may make them readable). Anything else does not match (``None``).
+
+What must stay internal (checked when the site is planned, regions.py): the scores (``Q·Kᵀ`` and
+every scale, mask and bias applied to it), the softmax and the probabilities (their dropout
+included) are read by nothing but the attention and its backward; a model that returns them
+(``output_attentions=True``) or reads them elsewhere is not fused, with the reason. Q, K, V and
+the bias terms are the kernel's inputs and may be read anywhere; so may a copy of Q, K or V in
+its own shape (clones, casts, views that keep the shape): a K/V cache a model returns
+(``use_cache=True``) is such a copy, and the kernel reads that same tensor. Any other form of
+one of them that is read elsewhere (a transposed or scaled K, the repeated K/V of grouped-query
+attention) keeps the site unfused, with the reason.
 """
 
 from __future__ import annotations
@@ -83,6 +93,8 @@ class Match:
     dtype: Optional[torch.dtype] = None  # the dtype the matmuls run in (q / k / v are cast to it)
     dropout: Optional["Dropout"] = None  # dropout on the probabilities (training)
     zero_rows: bool = False  # a safe softmax (softmax.py): rows whose every score is -inf give 0
+    scores: Optional[fx.Node] = None  # the softmax's input: the scale, masks and bias terms applied
+    probs: Optional[fx.Node] = None  # the softmax's output: the probabilities before any dropout
 
 
 class Dropout(NamedTuple):
@@ -413,7 +425,7 @@ def match_at(bmm: fx.Node) -> Optional[Match]:
     if any(m.factor != 1.0 and m.fill != float("-inf") for m in masks):
         raise Skip("a finfo.min mask fill rescaled afterwards (no longer finfo.min)")
     return Match(out=out, q=q, k=k, v=v, scale=scale, three_d=three_d, bias_terms=bias, masks=masks,
-                 dtype=val(bmm).dtype, dropout=dropout, zero_rows=zero_rows)
+                 dtype=val(bmm).dtype, dropout=dropout, zero_rows=zero_rows, scores=x, probs=p)
 
 
 def gqa_base(n: fx.Node) -> tuple[fx.Node, int]:

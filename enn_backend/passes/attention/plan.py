@@ -8,7 +8,7 @@ be fused raises :class:`~.match.Skip` here, with the graph untouched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -27,7 +27,7 @@ from .provenance import tensor_provenance
 from .match import Match, Skip, gqa_base
 from .policy import Choice, choose
 from .problem import AttentionProblem
-from .regions import Regions, find_regions
+from .regions import Leak, Regions, find_regions, leak_reason
 
 
 @dataclass
@@ -133,7 +133,12 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
         raise Skip("causal mask with Tq != Tk (SDPA's causal is top-left aligned)")
     terms = _terms(st)
     inputs = [m.q, k, v] + [t for t, _ in terms] + ([st.alibi.term] if st.alibi else [])
-    regions = find_regions(graph, m.out, inputs)
+    try:
+        regions = find_regions(graph, m.out, inputs)
+    except Leak as leak:
+        raise Skip(leak_reason(leak, m)) from None
+    q, k, v = regions.inputs[:3]  # a copy that is read outside too (a returned K/V cache) is read instead
+    m = replace(m, q=q, k=k if rep == 1 else m.k, v=v if rep == 1 else m.v)
     grads = regions.grads
     if m.dropout is not None and any(u not in regions.forward and u not in regions.backward
                                      for u in m.dropout.keep.users):

@@ -9,6 +9,16 @@ A gradient accumulation (``is_gradient_acc``) carries the ``seq_nr`` of whatever
 at, not of an op it differentiates: it belongs to the region only when all its inputs do. The
 gradients leaving the backward region are mapped to the inputs by shape, then by the forward op
 they differentiate; anything ambiguous raises :class:`Skip` (the graph is left alone, recorded).
+
+What the fused kernel keeps internal: every forward node of the region that mixes inputs -- the
+scores, the softmax, the probabilities (and their dropout), the product before the output view --
+may be read only inside the region or its backward; one that something else reads is a
+:class:`Leak`. A form of one input alone may be read outside: a copy of Q, K or V in that
+input's shape (clones, aliases, casts, views that keep the shape -- what a returned K/V cache
+is) becomes the input itself, so the kernel reads that same tensor and the gradient it returns is
+that tensor's, which autograd adds to what its other readers give (:func:`find_regions`). Any
+other form (a transposed or scaled K, a repeated grouped-query K/V, a form of a bias term) is a
+:class:`Leak`.
 """
 
 from __future__ import annotations
@@ -19,16 +29,32 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..fx_utils import ancestors, graph_order, is_call, shape, val
-from .match import Skip, skip_views
+from ... import blame
+from ..fx_utils import CONVERT, VIEWS, ancestors, graph_order, is_call, shape, val
+from .match import Match, Skip, skip_views
 
 aten = torch.ops.aten
 _TRANSPARENT_BWD = (aten.view.default, aten._unsafe_view.default, aten.permute.default, aten.clone.default,
                     aten.alias.default, aten.expand.default, aten.squeeze.dim, aten.unsqueeze.default)
 
 
+_COPIES = (aten.clone.default, aten.alias.default, CONVERT)  # same values (a cast: the kernel casts anyway)
+OPERANDS = ("Q", "K", "V")  # inputs 0..2; the bias terms (and ALiBi slopes) follow
+
+
+class Leak(Skip):
+    """``node``, a value the fused kernel keeps internal, is also read by ``user`` outside the
+    attention; ``operand``: the index of the one input ``node`` is a form of (None: it mixes
+    inputs -- the scores, the softmax, the probabilities)."""
+
+    def __init__(self, node: fx.Node, user: fx.Node, operand: Optional[int]) -> None:
+        super().__init__(f"intermediate {node.name} is also used by {user.name}")
+        self.node, self.user, self.operand = node, user, operand
+
+
 @dataclass
 class Regions:
+    inputs: list[fx.Node]  # the inputs the kernel reads: the caller's, or a copy of one that is read outside too
     forward: set[fx.Node]
     backward: set[fx.Node]
     grads: dict[int, fx.Node]  # input index -> the backward node that is that input's gradient
@@ -94,21 +120,62 @@ def _between(graph: fx.Graph, bwd: set[fx.Node]) -> set[fx.Node]:
     return ancestors([a for n in bwd for a in n.all_input_nodes if a in below], within=below.__contains__)
 
 
-def _check_closed(region: set[fx.Node], bwd: set[fx.Node], out: fx.Node, inputs: list[fx.Node]) -> None:
-    """Every intermediate of the forward region is used only by the region or its backward.
+def _first_leak(region: set[fx.Node], bwd: set[fx.Node], out: fx.Node, inputs: list[fx.Node]) -> Optional[Leak]:
+    """The first (in graph order) intermediate of the forward region that something outside the
+    region and its backward reads; None when the region is closed.
 
     Constants (positions, masks built from sizes) depend on no input: the layers of a model
     share them after CSE, and leaving them in the graph for other users costs nothing.
     """
     on_path = _on_path(region, inputs)
-    for n in region:
-        if n is out or n not in on_path:
+    private = _private(region, inputs)
+    for n in sorted(region, key=graph_order(out.graph)):
+        if n is out or n not in on_path or not isinstance(val(n), torch.Tensor):
             continue
         for u in n.users:
             if u not in region and u not in bwd:
-                if val(n) is not None and not isinstance(val(n), torch.Tensor):
-                    continue
-                raise Skip(f"intermediate {n.name} is also used by {u.name}")
+                return Leak(n, u, next((i for i, nodes in private.items() if n in nodes), None))
+    return None
+
+
+def _copy_of(n: fx.Node, root: fx.Node) -> bool:
+    """``n`` holds ``root``'s values in ``root``'s shape: reached from it through copies (clone,
+    alias, dtype casts) and views that keep the shape."""
+    while n is not root:
+        keeps_shape = is_call(n, *VIEWS, aten.expand.default) and shape(n) == shape(n.args[0])
+        if not (is_call(n, *_COPIES) or keeps_shape) or not isinstance(n.args[0], fx.Node):
+            return False
+        n = n.args[0]
+    return True
+
+
+def leak_reason(leak: Leak, m: Match) -> str:
+    """Why ``leak`` keeps the attention of ``m`` unfused, in the model's terms: what the value is
+    (a form of Q / K / V or of a bias term, the scores, the probabilities), where the model
+    computes it, who reads it, and the model-level setting that most likely asks for it."""
+    n, user, i = leak.node, leak.user, leak.operand
+    if i is not None:
+        name = OPERANDS[i] if i < len(OPERANDS) else "a bias term"
+        op = blame.site(n)["op"].removeprefix("aten.").split(".")[0]
+        what, verb = f"a {op} of {name} ({n.name}", "is"
+        rule = f"the kernel reads {name} itself, and shares only a copy of it in its own shape"
+        hint = " (a returned K/V cache? use_cache=True returns it)" if name in ("K", "V") else ""
+    else:
+        if m.scores is not None and n in ancestors([m.scores]):
+            what, verb, hint = "the attention scores", "are", ""
+        elif n is m.probs or m.probs in ancestors([n]):
+            what, verb, hint = "the attention probabilities", "are", \
+                " (returned attention weights? output_attentions=True returns them)"
+        else:
+            what, verb, hint = "the softmax's intermediate", "is", ""
+        what += f" ({n.name}"
+        rule = "a fused attention keeps its scores and probabilities internal"
+    where = blame.location(blame.site(n))
+    what += f", {where})" if where else ")"
+    if user.op == "output":
+        return f"{what} {verb} a graph output{hint}: {rule}"
+    at = blame.location(blame.site(user))
+    return f"{what} {verb} also read by {user.name}{f' ({at})' if at else ''}: {rule}"
 
 
 def _private(region: set[fx.Node], inputs: list[fx.Node]) -> dict[int, set[fx.Node]]:
@@ -171,18 +238,29 @@ def _grad_out(bwd: set[fx.Node], region: set[fx.Node], inputs: list[fx.Node], ou
 
 
 def find_regions(graph: fx.Graph, out: fx.Node, inputs: list[fx.Node]) -> Regions:
-    """The forward and backward regions of the attention ``inputs -> out`` and its gradients."""
-    inside = set(inputs)
-    region = ancestors([out], within=lambda n: n.op == "call_function" and n not in inside)
+    """The forward and backward regions of the attention ``inputs -> out`` and its gradients.
+
+    A copy of Q, K or V that is read outside the attention (a returned K/V cache) becomes that
+    input: the regions start below it. Any other value read outside raises :class:`Leak`."""
+    inputs = list(inputs)
     training = any(n.op == "placeholder" and is_backward(n) for n in graph.nodes)
-    bwd = _backward_region(graph, region, inputs) if training else set()
-    _check_closed(region, bwd, out, inputs)
+    while True:
+        inside = set(inputs)
+        region = ancestors([out], within=lambda n: n.op == "call_function" and n not in inside)
+        bwd = _backward_region(graph, region, inputs) if training else set()
+        leak = _first_leak(region, bwd, out, inputs)
+        if leak is None:
+            break
+        i = leak.operand
+        if i is None or i >= len(OPERANDS) or not _copy_of(leak.node, inputs[i]):
+            raise leak
+        inputs[i] = leak.node  # strictly below the old input: the loop ends
     if not training:
-        return Regions(region, bwd, {}, None, None)
+        return Regions(inputs, region, bwd, {}, None, None)
     exits = sorted((n for n in bwd if any(u not in bwd for u in n.users)), key=graph_order(graph))
     grads = _map_exits(exits, inputs, region, bwd)
     grad_out = _grad_out(bwd, region, inputs, out) if grads else None
     if grads and grad_out is None:
         raise Skip("could not find the gradient of the attention output")
     first = min(bwd, key=graph_order(graph)) if grads else None
-    return Regions(region, bwd, grads, grad_out, first)
+    return Regions(inputs, region, bwd, grads, grad_out, first)
