@@ -3,6 +3,15 @@
 Every node it creates has its fake value (Inductor lowers from it) and ``meta[EMITTED]``: the
 guard's eager reference runs enn's safe path for the nodes enn emitted, and ATen for the nodes
 the user wrote (enn_backend/graph_compiler.py).
+
+Activation checkpointing (``torch.utils.checkpoint``, transformers' gradient checkpointing) tags
+the forward nodes of a checkpointed region (``meta["recompute"]``, ``meta["ac_graph_id"]``): AOT
+Autograd's partitioner recomputes them in the backward instead of saving what they compute. The
+forward nodes the pass adds carry the tags of the attention output they replace, so the fused
+kernel is recomputed where the ops it replaces would have been, and saves no more than they did.
+A site with attention dropout is not tagged (``recompute=False``): the kernel draws its own mask
+(or the graph a seed for it), and a recomputation would draw another one than the forward's; its
+forward outputs are saved, as without checkpointing.
 """
 
 from __future__ import annotations
@@ -19,15 +28,20 @@ from ..fx_utils import CONVERT, insert, shape, tensor_dtype
 aten = torch.ops.aten
 
 
-class Emitter:
-    """Adds nodes to ``graph`` before ``before`` (the attention output) unless told otherwise."""
+_CHECKPOINT_TAGS = ("recompute", "ac_graph_id")
 
-    def __init__(self, graph: fx.Graph, mode: Any, before: fx.Node) -> None:
+
+class Emitter:
+    """Adds nodes to ``graph`` before ``before`` (the attention output) unless told otherwise;
+    with ``recompute``, those get ``before``'s activation-checkpointing tags."""
+
+    def __init__(self, graph: fx.Graph, mode: Any, before: fx.Node, recompute: bool = True) -> None:
         self.graph, self.mode, self.before = graph, mode, before
+        self.tags = {k: before.meta[k] for k in _CHECKPOINT_TAGS if k in before.meta} if recompute else {}
 
     def call(self, target: Any, args: tuple, kwargs: Optional[dict] = None, before: Optional[fx.Node] = None) -> fx.Node:
-        return insert(self.graph, target, args, kwargs, before=before or self.before, mode=self.mode,
-                      meta={EMITTED: True})
+        meta = {EMITTED: True, **(self.tags if before is None else {})}
+        return insert(self.graph, target, args, kwargs, before=before or self.before, mode=self.mode, meta=meta)
 
     def tag(self, n: fx.Node) -> fx.Node:
         """Mark a node made another way (a spliced subgraph) as emitted."""

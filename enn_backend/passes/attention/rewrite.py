@@ -53,7 +53,7 @@ def _operands(em: Emitter, plan: Plan) -> Operands:
 def rewrite(graph: fx.Graph, plan: Plan, mode: object) -> None:
     """Replace the attention (and, in training, its backward region) by the plan's kernel."""
     m, regions = plan.match, plan.regions
-    em = Emitter(graph, mode, before=m.out)
+    em = Emitter(graph, mode, before=m.out, recompute=m.dropout is None)
     ops = _operands(em, plan)
     first_bwd = regions.first_backward
     grad_in = None
