@@ -117,3 +117,18 @@ def test_training_ranges_cover_forward_and_backward_kernels():
     x.grad = None
     f(x).sum().backward()
     torch.testing.assert_close(got, x.grad, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_attention_and_epilogue_ranges():
+    torch.manual_seed(0)
+    model = Model().cuda().to(torch.bfloat16)
+    x = torch.randn(4, 256, 32, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="enn", options={"nvtx": True, "guard": "off"})
+    with torch.no_grad():
+        want = model(x)
+        got = compiled(x)
+        names = _enn_ranges(lambda: (compiled(x), torch.cuda.synchronize()))
+    assert any(n.startswith("enn/attention/") and n.endswith(" layers.0") for n in names), names
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

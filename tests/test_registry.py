@@ -310,3 +310,21 @@ def test_family_switches_and_budget():
     assert Options.from_sources({"epilogue_off": "all"}).unfused_epilogues() == set(P.FAMILIES)
     assert Options.from_sources({}, mode="max-autotune", environ={}).measure_budget_ms() == 200
     assert Options.from_sources({}, environ={}).measure_budget_ms() == 0
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_measurement_times_every_eligible_kernel_and_caches_it(tmp_path):
+    cache = C.ChoiceCache(str(tmp_path / C.FILE_NAME))
+    p = P.GemmProblem("cuda", bf16, "gelu_tanh", True, m=4096, n=4096, k=4096, layout="x:c w:c")
+    s = R.select(P.POLICY, p, measurement=R.Measurement(200, cache))
+    assert set(s.timings_ms) == {"cublaslt", "inductor"} and s.how == "measured", s
+    assert s.timings_ms[s.kernel.value] <= min(s.timings_ms.values()) / (1 - M.MARGIN)
+    r = P.GemmProblem("cuda", bf16, "none", False, m=4096, n=4096, k=4096, residual=True, layout="x:c w:c")
+    assert set(R.select(P.POLICY, r, measurement=R.Measurement(200, cache)).timings_ms) == {"addmm", "inductor"}
+    cap = torch.cuda.get_device_capability()
+    a = ap(capability=cap, tq=2048, tk=2048, heads_q=16, heads_kv=16, batch=4)
+    choice = AP.choose(a, measurement=R.Measurement(300, cache))
+    assert choice.how in ("measured", "rule") and choice.backend in (Backend.CUDNN, Backend.FLASH, Backend.EFFICIENT)
+    assert {e.key.op for e in C.ChoiceCache(cache.path).entries()} >= {"gemm_epilogue"}
