@@ -1,8 +1,22 @@
 """Hugging Face ``transformers`` models from tiny random configs (no download), one training step
 compiled against eager, shared by tests/test_hf_models.py and tests/test_hf_sweep.py.
 
-Run as a script it prints the sweep's table (one row per model and attention implementation):
-``python tests/_hf.py [--backend enn|inductor] [--impl sdpa,eager] [model ...]``.
+Run as a script it prints the sweep's table (one row per model, attention implementation and
+variant): ``python tests/_hf.py [--backend enn|inductor] [--impl sdpa,eager] [--variant ...]
+[--options JSON] [model ...]``.
+
+Variants (:data:`VARIANTS`) -- the test chooses sizes, the batch and dropout (off: compiled and
+eager must compute the same function), nothing else:
+
+- ``no_cache``: ``use_cache=False``, as the sweep has always run;
+- ``defaults``: the config's own defaults (``use_cache=True`` for decoders: the model returns its
+  K/V cache beside the loss);
+- ``checkpointing``: the defaults plus ``gradient_checkpointing_enable()`` (non-reentrant), in
+  train mode.
+
+Every variant computes the loss inside the model from ``labels=`` where the model takes them (HF's
+loss functions: ``ForCausalLMLoss`` shifts the labels, upcasts the logits to fp32 and ignores
+``-100``, which marks the padding).
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ BATCH, SEQ, PADDED = 2, 16, 5  # the second sequence of the batch has PADDED pad
 LAYERS = 2
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # the ids inside VOCAB
 IMPLEMENTATIONS = ("sdpa", "eager")
+VARIANTS = ("no_cache", "defaults", "checkpointing")
 RTOL = 1e-3  # |compiled - eager| / |eager| of each tensor (L2 norms), and allclose's rtol
 ATOL = 1e-4  # allclose's atol, as a fraction of the largest gradient (or output) magnitude
 
@@ -142,15 +157,21 @@ def _inputs(model: torch.nn.Module, padding: str) -> dict[str, torch.Tensor]:
     return kwargs
 
 
-def build(name: str, impl: str = "sdpa", device: str = "cpu"):
-    """``(model, kwargs)`` on ``device``: the model in training mode with dropout and ``use_cache`` off."""
+def build(name: str, impl: str = "sdpa", device: str = "cpu", variant: str = "no_cache"):
+    """``(model, kwargs)`` on ``device``: the model in training mode with dropout off, ``use_cache``
+    and gradient checkpointing as ``variant`` says (:data:`VARIANTS`)."""
     import transformers
 
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}")
     torch.manual_seed(0)
     spec = MODELS[name]
     model = spec.make(transformers, impl)
     assert model.config._attn_implementation == impl, (name, impl, model.config._attn_implementation)
-    model.config.use_cache = False
+    if variant == "no_cache":
+        model.config.use_cache = False
+    if variant == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     no_dropout(model)
     kwargs = {k: v.to(device) for k, v in _inputs(model, spec.padding).items()}
     return model.to(device).train(), kwargs
@@ -170,8 +191,26 @@ def loss_of(out) -> torch.Tensor:
 @dataclasses.dataclass
 class Step:
     loss: torch.Tensor
-    outputs: dict[str, torch.Tensor]  # every tensor the model returned
+    outputs: dict[str, torch.Tensor]  # every tensor the model returned (a cache's keys and values too)
     grads: dict[str, torch.Tensor | None]  # parameter name -> gradient (None: not reached)
+
+
+def _tensors(name: str, value: Any):
+    """``(name, tensor)`` for every tensor of one model output: a tensor, a tuple of them (hidden
+    states), and the keys and values of a cache (``DynamicCache`` layers; an encoder-decoder's
+    self- and cross-attention caches)."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            yield from _tensors(f"{name}.{i}", v)
+    elif hasattr(value, "self_attention_cache"):
+        yield from _tensors(f"{name}.self", value.self_attention_cache)
+        yield from _tensors(f"{name}.cross", value.cross_attention_cache)
+    elif hasattr(value, "layers"):
+        for i, layer in enumerate(value.layers):
+            for part in ("keys", "values"):
+                yield from _tensors(f"{name}.{i}.{part}", getattr(layer, part, None))
 
 
 def step(run, model: torch.nn.Module, kwargs: dict, autocast: bool = False) -> Step:
@@ -180,16 +219,17 @@ def step(run, model: torch.nn.Module, kwargs: dict, autocast: bool = False) -> S
         out = run(**kwargs)
     loss = loss_of(out)
     loss.backward()
-    outputs = {k: v.detach().float() for k, v in out.items() if isinstance(v, torch.Tensor) and k != "loss"}
+    outputs = {k: v.detach().float() for name, value in out.items() if name != "loss"
+               for k, v in _tensors(name, value)}
     grads = {n: None if p.grad is None else p.grad.detach().float() for n, p in model.named_parameters()}
     return Step(loss.detach().float(), outputs, grads)
 
 
 def compiled_and_eager(name: str, impl: str, backend: str = "enn", options: dict | None = None,
-                       device: str = "cpu", autocast: bool = False) -> tuple[Step, Step]:
+                       device: str = "cpu", autocast: bool = False, variant: str = "no_cache") -> tuple[Step, Step]:
     """The same weights and batch on ``device``, one step compiled with ``backend`` and one in eager
     (both under bf16 autocast with ``autocast``)."""
-    model, kwargs = build(name, impl, device)
+    model, kwargs = build(name, impl, device, variant)
     reference = copy.deepcopy(model)
     kw = {} if options is None else {"options": options}
     return (step(torch.compile(model, backend=backend, **kw), model, kwargs, autocast),
@@ -261,17 +301,18 @@ def enn_findings(report: dict) -> list[str]:
 # the sweep's table
 
 
-def _row(name: str, impl: str, backend: str) -> dict[str, Any]:
+def _row(name: str, impl: str, backend: str, variant: str = "no_cache", options: dict | None = None) -> dict[str, Any]:
     torch._dynamo.reset()
     enn_backend.reset()
     start = time.perf_counter()
     try:
-        d = differences(*compiled_and_eager(name, impl, backend))
+        d = differences(*compiled_and_eager(name, impl, backend, options, variant=variant))
     except Exception as e:  # a row, not a crash: the table must cover every model
         d, error = None, f"raised {type(e).__name__}: {e}"[:500]
     report = enn_backend.report().to_dict() if backend == "enn" else None
-    row = {"model": name, "impl": impl, "seconds": time.perf_counter() - start,
-           "fallbacks": report["fallbacks"] if report else []}
+    row = {"model": name, "impl": impl, "variant": variant, "seconds": time.perf_counter() - start,
+           "fallbacks": report["fallbacks"] if report else [],
+           "fused": (report["fusions"].get("attention", 0) if report else 0)}
     if d is None:
         return row | {"problems": [error, *(enn_findings(report) if report else [])]}
     worst = max(d["grads"].items(), key=lambda kv: kv[1][0], default=("-", (0.0, 0)))
@@ -291,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("models", nargs="*", help=f"default: all of {', '.join(MODELS)}")
     p.add_argument("--backend", default="enn")
     p.add_argument("--impl", default=",".join(IMPLEMENTATIONS))
+    p.add_argument("--variant", default="no_cache", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--options", default=None, help="enn's options as JSON, e.g. '{\"attention_order\": \"flash,explicit\"}'")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
     unknown = sorted(set(args.models) - set(MODELS))
@@ -299,22 +342,24 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="enn-hf-sweep-")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
     rows, start = [], time.perf_counter()
-    for name in args.models or MODELS:
-        for impl in args.impl.split(","):
-            # each case starts from no kernel state, as each test does: a pin persisted for one
-            # model would otherwise be applied to the next ones
-            os.environ["ENN_CACHE_DIR"] = os.path.join(root, name, impl, "cache")
-            os.environ["ENN_REPRO_DIR"] = os.path.join(root, name, impl, "repros")
-            r = _row(name, impl, args.backend)
-            rows.append(r)
-            kinds = collections.Counter(f["kind"] for f in r["fallbacks"])
-            verdict = "FAIL" if r["problems"] else "pass"
-            numbers = "" if "loss_err" not in r else (
-                f"loss {r['loss_err']:.1e} out {r['output_err']:.1e} grad {r['max_grad_err']:.1e} "
-                f"({r['grads_over']} over, worst {r['worst_grad']}) nonfinite {r['nonfinite']} ")
-            print(f"{name:10} {impl:5} {verdict} {numbers}fallbacks {dict(kinds)} {r['seconds']:.1f}s", flush=True)
-            for line in r["problems"]:
-                print(f"    {line}", flush=True)
+    options = json.loads(args.options) if args.options else None
+    cases = [(n, i, v) for n in args.models or MODELS for i in args.impl.split(",") for v in args.variant.split(",")]
+    for name, impl, variant in cases:
+        # each case starts from no kernel state, as each test does: a pin persisted for one
+        # model would otherwise be applied to the next ones
+        os.environ["ENN_CACHE_DIR"] = os.path.join(root, name, impl, variant, "cache")
+        os.environ["ENN_REPRO_DIR"] = os.path.join(root, name, impl, variant, "repros")
+        r = _row(name, impl, args.backend, variant, options)
+        rows.append(r)
+        kinds = collections.Counter(f["kind"] for f in r["fallbacks"])
+        verdict = "FAIL" if r["problems"] else "pass"
+        numbers = "" if "loss_err" not in r else (
+            f"loss {r['loss_err']:.1e} out {r['output_err']:.1e} grad {r['max_grad_err']:.1e} "
+            f"({r['grads_over']} over, worst {r['worst_grad']}) nonfinite {r['nonfinite']} ")
+        print(f"{name:10} {impl:5} {variant:13} {verdict} fused {r['fused']} {numbers}fallbacks {dict(kinds)} "
+              f"{r['seconds']:.1f}s", flush=True)
+        for line in r["problems"]:
+            print(f"    {line}", flush=True)
     print(f"total {time.perf_counter() - start:.1f}s for {len(rows)} cases")
     if args.json:
         with open(args.json, "w") as fh:
