@@ -5,10 +5,12 @@ loss computed inside the model from ``labels=`` as in every case of the sweep. T
 only sizes, the batch and dropout (off).
 
 enn fuses every hand-written attention site it can (an explicit kernel order: by default tiny CPU
-attention is left to Inductor, which would hide the decision), and each variant fuses as many sites
-as its ``use_cache=False`` twin; the loss, every output (the returned cache's keys and values
-included) and every gradient equal eager's within the sweep's tolerance, and the report holds no
-fallback line.
+attention is left to Inductor, which would hide the decision), and each variant fuses at least as
+many sites as its ``use_cache=False`` twin; the loss, every output (the returned cache's keys and
+values included) and every gradient equal eager's within the sweep's tolerance, and the report
+holds no fallback line. (The report counts sites per compiled graph: where a model breaks its
+graph per layer, as OPT does, Dynamo may compile one layer's graph once and run it for every
+layer, while the cache's layer index makes one graph per layer.)
 
 By default: GPT-2 with eager attention, the model that returns its cache from the attention's own
 K/V copies. ``ENN_HF_SWEEP=full`` runs every model of the sweep with both attention
@@ -60,4 +62,4 @@ def test_hf_variant_fused_as_its_twin(name, impl, variant):
     want = _twin(name, impl)
     fused, problems = _fused(name, impl, variant)
     assert not problems, f"{name} ({impl}, {variant}):\n  " + "\n  ".join(problems)
-    assert fused == want, f"{name} ({impl}, {variant}): {fused} attention sites fused, the use_cache=False twin {want}"
+    assert fused >= want, f"{name} ({impl}, {variant}): {fused} attention sites fused, the use_cache=False twin {want}"
