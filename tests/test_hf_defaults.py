@@ -37,9 +37,19 @@ FUSING = {"attention_order": "flash,explicit"}
 # GPT-2's two layers); other twins run once per process.
 TWIN_FUSED = {("gpt2", "eager"): _hf.LAYERS}
 SUBSET = {("gpt2", "eager", "defaults"), ("gpt2", "eager", "checkpointing")}
-CASES = [pytest.param(name, impl, variant, marks=() if (name, impl, variant) in SUBSET else
-                      (pytest.mark.slow, pytest.mark.skipif(not FULL, reason="ENN_HF_SWEEP=full runs the whole sweep")))
-         for name in _hf.MODELS for impl in _hf.IMPLEMENTATIONS for variant in ("defaults", "checkpointing")]
+# Cases where Dynamo itself compiles less than the twin's graphs: nothing there for enn to fuse.
+NOT_COMPILED = {
+    ("t5", "eager", "checkpointing"): "under gradient checkpointing Dynamo skips T5's decoder frame and runs it in "
+    "eager (graph breaks in its layer loop: transformers' logger.warning_once that turns the cache off, "
+    "utils/generic.py, and position_bias.requires_grad = True, modeling_t5.py): its self- and cross-attention "
+    "are never compiled, the encoder's is fused",
+}
+CASES = [pytest.param(name, impl, variant, marks=(
+    ([] if (name, impl, variant) in SUBSET else
+     [pytest.mark.slow, pytest.mark.skipif(not FULL, reason="ENN_HF_SWEEP=full runs the whole sweep")])
+    + ([pytest.mark.xfail(strict=True, reason=NOT_COMPILED[name, impl, variant])]
+       if (name, impl, variant) in NOT_COMPILED else [])))
+    for name in _hf.MODELS for impl in _hf.IMPLEMENTATIONS for variant in ("defaults", "checkpointing")]
 
 
 def _fused(name: str, impl: str, variant: str) -> tuple[int, list[str]]:
