@@ -114,6 +114,7 @@ def _entry(compiler: Any, fx_key: str) -> dict[str, Any] | None:
         "graph_key": graph_key(gm),
         "node_keys": sorted({k for n in E.candidate_nodes(gm) if (k := node_key(n))}),
         "mutated": list(compiler.mutated), "random": bool(compiler.random),
+        "kernel_state": sorted(compiler.kernel_state),
         "record": {f: getattr(rec, f) for f in RECORD_FIELDS},
         "fallbacks": [_fallback_dict(f) for f in own],
         "unit": unit,
@@ -295,6 +296,7 @@ class CachedGraph:
         self.mutated = list(meta["mutated"])
         self.written = self.mutated  # a guarded compile donates no buffers (compat.saved_tensors_kept)
         self.random = meta["random"]
+        self.kernel_state = frozenset(meta.get("kernel_state", ()))
 
     def full(self) -> Any:
         return self.warm.traced(self.phase, self.graph_key, self.record)

@@ -79,6 +79,7 @@ def _validate(d: Any, fx_key: str) -> None:
     need(d.get("key") == fx_key and d.get("phase") in PHASES, "key or phase does not match")
     need(isinstance(d.get("graph_key"), str) and all(isinstance(k, str) for k in d.get("node_keys", [None])), "bad keys")
     need(all(isinstance(i, int) for i in d.get("mutated", [None])) and isinstance(d.get("random"), bool), "bad fast-path data")
+    need(all(isinstance(i, int) for i in d.get("kernel_state", [])), "bad kernel-state outputs")
     rec = d.get("record")
     need(isinstance(rec, dict) and set(rec) == set(RECORD_FIELDS), "bad record")
     fallbacks = list(d.get("fallbacks") or [])

@@ -58,3 +58,16 @@ def test_a_fault_no_pin_removes_runs_the_graph_eagerly(monkeypatch):
 
     guard = next(o for o in gc.get_objects() if type(o) is GuardedGraph and o.record.id == g["id"])
     assert guard.decision is not None and guard.decision.eager and not guard.decision.pins
+
+
+def test_an_attention_kernels_saved_state_is_not_screened():
+    """An attention kernel's saved log-sum-exp holds infinities by the kernel's convention (its
+    padding, rows that keep no key) that the reference lays out per kernel: the screen skips it,
+    as a value check judges it by layout alone; other outputs are screened as before."""
+    from enn_backend.guard import screen as S
+
+    out = torch.zeros(2, 3)
+    lse = torch.tensor([[1.0, float("inf")], [float("-inf"), float("nan")]])
+    assert S.nonfinite_outputs([out, lse]) == [1]
+    assert S.nonfinite_outputs([out, lse], {1: S.UNSCREENED}) == []
+    assert S.nonfinite_outputs([out.fill_(float("nan")), lse], {1: S.UNSCREENED}) == [0]

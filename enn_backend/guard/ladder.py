@@ -31,7 +31,7 @@ from . import graph_edit as E
 from .calls import LADDER, Call, EnnGuardError, Run, no_autocast
 from .kernel_entry import graph_key, node_key
 from .localize import CONFIRM_RUNS, Localization, localize, suspects_from_traceback
-from .screen import allowance, compiled_is_worse, divergent, diverging, nonfinite_inputs, nonfinite_outputs, outputs
+from .screen import UNSCREENED, allowance, compiled_is_worse, divergent, diverging, nonfinite_inputs, nonfinite_outputs, outputs
 from .seams import GraphFacts, GuardedCompiler
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,9 @@ class FaultLadder:
         self.record, self.opts, self.mode = record, opts, opts.guard
         self.random = compiler.random  # draws random numbers: values differ from eager's by design
         self.inputs_are_primals = compiler.phase != "backward"  # parameters, buffers, user inputs
-        self.allowed: dict[int, str] = {}  # output -> the infinities the reference makes there too
+        # output -> the infinities the reference makes there too (an attention kernel's saved
+        # state: not screened, judged by its layout: screen.UNSCREENED)
+        self.allowed: dict[int, str] = dict.fromkeys(compiler.kernel_state, UNSCREENED)
         self.low_precision: bool | None = None  # does the graph compute in fp16/bf16? (on the first comparison)
         self.reported: set[FallbackKind] = set()  # kinds reported once per graph, repeats counted
 

@@ -34,10 +34,18 @@ def _floating(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel() > 0
 
 
+# The allowance of an attention kernel's saved state (its log-sum-exp): not screened. Only the
+# matching backward kernel reads it, and the backward's results are screened; its padding and
+# the rows that keep no key hold infinities by the kernel's own convention, which enn's math
+# (the reference) lays out per kernel, not bit for bit -- so, as in a value check, it is judged
+# by its layout alone (screen.diverging), never by its NaN/Inf.
+UNSCREENED = "kernel state"
+
+
 def _split(flat: list, allowed: dict[int, str]) -> tuple[list[int], list[int]]:
-    """(outputs screened in full, outputs with an allowance)."""
+    """(outputs screened in full, outputs with an allowance); UNSCREENED outputs in neither."""
     full = [i for i, t in enumerate(flat) if _floating(t) and i not in allowed]
-    partial = [i for i in allowed if i < len(flat) and _floating(flat[i])]
+    partial = [i for i, a in allowed.items() if a != UNSCREENED and i < len(flat) and _floating(flat[i])]
     return full, partial
 
 

@@ -28,6 +28,7 @@ class GraphFacts(Protocol):
     random: bool  # draws random numbers: re-runs replay the RNG, values are not compared
     mutated: list[int]  # inputs the graph writes in place (in the graph: copy_ into a placeholder)
     written: list[int]  # inputs a compiled call may write: the mutated ones and any donated buffer
+    kernel_state: frozenset[int]  # outputs that are an attention kernel's saved state: not screened
 
     def full(self) -> "GuardedCompiler":
         """The compiler of this graph (a stand-in traces the graph again)."""
@@ -44,7 +45,6 @@ class GuardedCompiler(GraphFacts, Protocol):
     cudagraphs: bool
     cudagraphs_ok: bool
     bookkeeping: frozenset[int]  # forward outputs saved for the backward: integers compared by layout
-    kernel_state: frozenset[int]  # an attention kernel's saved state: compared by dtype and shape
     state: Any  # guard.kernel_state.KernelState: where faults are recorded
 
     def node(self, name: str) -> fx.Node: ...
