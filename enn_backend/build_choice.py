@@ -9,6 +9,14 @@ graph whose step waits on the host. The rule (:func:`choose`):
     host-bound  where  host_us >= HOST_SHARE x device_us   (the predicted kernel time)
     a host-bound graph gets enn's launch-saving defaults; any other is built without them.
 
+The rule is applied only where :data:`APPLIED` is set, and it is not by default: the one GPU
+run with it applied (H200, torch 2.11; bench/results/gpu-h200/real_build_rule_2026-11-28.md)
+measured the decoders it moved to the Python wrapper at 0.81-0.86x Inductor's step time and no
+shorter cold compile (compile_breakdown_train_2026-11-28.log), where enn had measured 1.2x and
+more with its defaults on every graph. It stays off until a side-by-side run shows it wins
+(``bench/compile_breakdown.py``'s variant ``enn host rule on``). Every graph keeps enn's defaults,
+and the report records what the rule would have chosen (``"applied": false``).
+
 ``kernels`` and ``device_us`` are estimated from the graph (:func:`estimate`): a kernel for each
 GEMM, convolution, attention or other non-pointwise op, and one per chain of pointwise ops (the
 chain Inductor fuses); its time from a roofline of the op's FLOPs and the bytes it writes and
@@ -29,6 +37,7 @@ import torch.fx as fx
 
 from . import compat
 
+APPLIED = False  # see the module's docstring
 PYTHON_WRAPPER_US_PER_KERNEL = 8.0  # the Python wrapper's host work per launch (H100 host, 2.11)
 HOST_SHARE = 0.5  # host-bound: the launch work is at least this share of the kernel time
 PEAK_FLOPS = {torch.bfloat16: 4e14, torch.float16: 4e14}  # per second, tensor cores (H100 class)
@@ -71,11 +80,12 @@ def choose(kernels: int, device_us: float) -> bool:
 
 
 def for_graph(defaults: dict[str, Any], estimate_: HostEstimate) -> tuple[dict[str, Any], dict[str, Any]]:
-    """enn's Inductor defaults for one graph (the launch-saving ones only where it is
-    host-bound), and the choice as the report records it."""
-    kept = {k: v for k, v in defaults.items() if estimate_.host_bound or k not in LAUNCH_SAVING}
+    """enn's Inductor defaults for one graph (where the rule is :data:`APPLIED`, the
+    launch-saving ones only if it is host-bound), and the choice as the report records it."""
+    kept = {k: v for k, v in defaults.items() if not APPLIED or estimate_.host_bound or k not in LAUNCH_SAVING}
     choice = {"options": {k: bool(kept.get(k, False)) for k in ("cpp_wrapper", "combo_kernels") if k in defaults},
-              "kernels": estimate_.kernels, "device_us": round(estimate_.device_us, 1), "reason": estimate_.reason()}
+              "kernels": estimate_.kernels, "device_us": round(estimate_.device_us, 1), "reason": estimate_.reason(),
+              "applied": APPLIED}
     return kept, choice
 
 

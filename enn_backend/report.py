@@ -364,7 +364,8 @@ def compile_time_lines(graphs: list[dict[str, Any]]) -> list[str]:
 def build_choice_text(choices: dict[str, Any]) -> str:
     """One graph's build choices as text: the options, then why."""
     opts = ", ".join(f"{k}={v}" for k, v in sorted(choices.get("options", {}).items()))
-    return f"{opts or 'none'} ({choices.get('reason', '')})"
+    applied = "" if choices.get("applied", True) else "; the rule is not applied"
+    return f"{opts or 'none'} ({choices.get('reason', '')}{applied})"
 
 
 def atomic_write_text(path: str, text: str) -> None:

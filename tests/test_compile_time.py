@@ -88,7 +88,15 @@ def test_the_host_bound_rule(kernels, device_us, host_bound):
     assert build_choice.choose(kernels, device_us) is host_bound
 
 
-def test_a_graph_keeps_enns_defaults_that_save_no_launches():
+def test_by_default_the_rule_is_recorded_not_applied():
+    defaults = {"cpp_wrapper": True, "combo_kernels": True, "other": 1}
+    kept, choice = build_choice.for_graph(defaults, build_choice.HostEstimate(kernels=1000, device_us=25000.0))
+    assert kept == defaults and choice["applied"] is False
+    assert choice["reason"].startswith("not host-bound")
+
+
+def test_a_graph_keeps_enns_defaults_that_save_no_launches(monkeypatch):
+    monkeypatch.setattr(build_choice, "APPLIED", True)
     defaults = {"cpp_wrapper": True, "combo_kernels": True, "combo_kernels_pointwise_only": True, "other": 1}
     kept, choice = build_choice.for_graph(defaults, build_choice.HostEstimate(kernels=1000, device_us=25000.0))
     assert kept == {"other": 1}
@@ -158,9 +166,11 @@ def test_phases_add_up_to_the_wall_time_of_the_compile(caplog):
 
 @pytest.mark.slow
 def test_the_cpp_wrapper_goes_to_host_bound_graphs_only(monkeypatch):
-    """With enn's C++ wrapper default on the CPU too (on CUDA it is enn's default): a graph of a
-    few small kernels gets it, one large GEMM does not; each choice is in the report."""
+    """With enn's C++ wrapper default on the CPU too (on CUDA it is enn's default) and the rule
+    applied: a graph of a few small kernels gets it, one large GEMM does not; each choice is in
+    the report."""
     monkeypatch.setitem(graph_compiler.COMPILE_FX_DEFAULTS, "cpu", {"cpp_wrapper": True})
+    monkeypatch.setattr(build_choice, "APPLIED", True)
     small, large = torch.nn.Linear(8, 8), torch.nn.Linear(2048, 2048, bias=False)
     with torch.no_grad():
         torch.compile(small, backend="enn")(torch.randn(4, 8))
