@@ -135,7 +135,7 @@ SATURATED = -1e30
 # saturated row as fully masked (log-sum-exp 0, output not uniform, no gradient; most likely
 # its log2(e) scaling overflows to -inf), and -1e30 in bf16 gives NaN gradients from it.
 # This power of two gives eager's uniform row and, with saturated_counts, eager's gradients,
-# in bf16 and fp32 on every shape tried (bench/gpu_saturated_rows.py,
+# in bf16 and fp32 on every shape tried (tests/test_attention_op.py::test_efficient_kernel_on_saturated_rows,
 # bench/results/gpu-h100/saturated_rows.log). fp16 cannot hold it (nor any bias that absorbs
 # the scores): there the policy keeps such biases off the kernels.
 SATURATED_FLOOR = -(2.0 ** 100)

@@ -18,7 +18,7 @@ whole, so the two must agree on it:
 - a causal band with key padding (left padding): the rows before a sequence's first kept key keep
   none. The CPU flash kernel gives such a row zeros whether its keys are dropped by the causal
   flag or by -inf (bit-identical); so does CUDA's memory-efficient kernel (its outputs equal, its
-  gradients equal within bf16 rounding: ``python bench/gpu_sdpa_left_padding.py``). cuDNN weighs a
+  gradients equal within bf16 rounding: tests/test_hf_masks.py::test_cuda_sdpa_kernels_on_rows_that_keep_no_key). cuDNN weighs a
   row masked whole by its raw scores over every key, which the causal flag would change: in
   inference such a call becomes FlexAttention with a block mask built from the padding vector
   (kernels/flex_padding.py), which computes that row as cuDNN does; in training the mask stays.

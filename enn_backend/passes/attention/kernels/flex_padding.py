@@ -3,7 +3,7 @@
 transformers' ``sdpa`` attention with left padding (batched generation) hands SDPA a ``[B, 1, T,
 T]`` boolean mask: causal, and-ed with the ``[B, T]`` padding vector. The first rows of a
 left-padded sequence keep no key ("dead rows"), and what SDPA's CUDA kernels make of them is part
-of the result (``python bench/gpu_sdpa_left_padding.py``, torch 2.11, H100):
+of the result (the retired ``bench/gpu_sdpa_left_padding.py``, torch 2.11, H100: bench/HISTORY.md):
 
 cuDNN adds a finite fill to every score of such a row, so the row is a softmax over *every* key of
 its raw scores (offset by the fill, which rounds them in fp32). The memory-efficient kernel gives

@@ -100,7 +100,7 @@ def check_efficient(p: AttentionProblem) -> tuple[bool, str]:
     if p.has_bias and p.bias_may_saturate and p.dtype == "float16":
         # A row whose every key is at finfo.min is uniform in eager (the bias absorbs the
         # scores). In bf16 / fp32 enn hands the kernel SATURATED_FLOOR there, which it handles
-        # (bench/gpu_saturated_rows.py); fp16 cannot hold a bias that absorbs the scores.
+        # (tests/test_attention_op.py::test_efficient_kernel_on_saturated_rows); fp16 cannot hold a bias that absorbs the scores.
         return False, ("fp16 cannot hold a bias that absorbs the scores: a row masked whole with finfo.min "
                        "(left padding) would not be eager's uniform row")
     return True, "SDPA memory-efficient: masks and bias tensors (with bias gradient)"
