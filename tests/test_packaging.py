@@ -82,3 +82,15 @@ def test_fresh_venv_compiles_with_backend_enn_without_import(wheel, tmp_path):
     assert lines["ENN_FROM"].startswith(site), lines
     assert lines["OPS_FROM"].startswith(site) and "enn_backend/custom_ops" in lines["OPS_FROM"], lines
     assert lines["TORCH"] == torch.__version__, lines  # the torch this suite tests, not another one
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """A package folder pyproject.toml does not list is left out of the wheel (and of a
+    non-editable install), which only a fresh venv notices."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed, dirs = set(tool["packages"]), tool["package-dir"]
+    found = {(name + "." + ".".join(p.parent.relative_to(ROOT / where).parts)).rstrip(".")
+             for name, where in dirs.items() for p in (ROOT / where).rglob("__init__.py")}
+    assert found - listed == set(), "package folders missing from pyproject.toml's packages"
