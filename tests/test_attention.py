@@ -146,7 +146,8 @@ def test_hf_style_models(kind):
     torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
     for (name, p), p_ref in zip(model.named_parameters(), ref_model.parameters()):
         torch.testing.assert_close(p.grad, p_ref.grad, atol=1e-5, rtol=1e-4, msg=name)
-    assert enn_backend.report().fusions() == {"attention": 2} and not enn_backend.report().to_dict()["fallbacks"], \
+    # (the epilogue pass may fuse the projections' residual adds too)
+    assert enn_backend.report().fusions()["attention"] == 2 and not enn_backend.report().to_dict()["fallbacks"], \
         enn_backend.report()
 
 

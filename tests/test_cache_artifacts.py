@@ -83,7 +83,7 @@ def _comparable(report: dict, folder: str) -> dict:
     def timeless(items: list) -> list:
         return [{k: v for k, v in item.items() if k != "time"} for item in items]
 
-    graphs = [{**{k: v for k, v in g.items() if k != "compile_time_s"}, "events": timeless(g["events"])}
+    graphs = [{**{k: v for k, v in g.items() if k not in ("compile_time_s", "compile_phases")}, "events": timeless(g["events"])}
               for g in report["graphs"]]
     report = {**report, "graphs": graphs, "fallbacks": timeless(report["fallbacks"])}
     return json.loads(json.dumps(report).replace(folder, "<folder>"))

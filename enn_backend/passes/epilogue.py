@@ -339,8 +339,10 @@ def rewrite(graph: fx.Graph, m: Match, kernel: str = "") -> fx.Node:
     else:
         weight = insert(graph, aten.permute.default, (src.w_t, [1, 0]), before=out, mode=mode)
     meta = {key: out.meta[key] for key in ("stack_trace", "nn_module_stack", "source_fn_stack") if key in out.meta}
-    if "nn_module_stack" in src.gemm.meta:  # the GEMM's module (the linear layer), not its caller's
-        meta["nn_module_stack"] = src.gemm.meta["nn_module_stack"]
+    # the GEMM's module (the linear layer), not its caller's; in a backward graph, the forward's
+    stack = src.gemm.meta.get("nn_module_stack") or src.gemm.meta.get("fwd_nn_module_stack")
+    if stack:
+        meta["nn_module_stack"] = stack
     kernel = str(kernel)
     if m.residual is not None:
         residual = m.residual
