@@ -73,12 +73,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, Iterator
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None  # type: ignore[assignment]
-
-from .. import compat
+from .. import compat, file_lock
 from ..options import Options
 from ..report import Count, atomic_write_text, report
 from .kernel_entry import (ARTIFACT, MAX_AGE_DAYS, MAX_TEXT, KernelEntry, current_versions, entry_artifact,
@@ -289,24 +284,10 @@ class KernelState:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """Exclusive across processes: a flock on ``<file>.lock``, a file never replaced, so
-        every writer locks the same one. Closing the descriptor releases the lock."""
+        """Exclusive across processes (enn_backend.file_lock)."""
         assert self.path
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            deadline = time.monotonic() + LOCK_TIMEOUT_S
-            while fcntl is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{self.path}.lock held by another process for {LOCK_TIMEOUT_S:.0f}s") from None
-                    time.sleep(0.01)
+        with file_lock.locked(self.path, LOCK_TIMEOUT_S):
             yield
-        finally:
-            os.close(fd)
 
     def _write(self, entries: Entries) -> None:
         """Write ``entries`` (expired ones and those past the bound dropped); the lock is held."""

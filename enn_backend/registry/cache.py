@@ -32,12 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-try:
-    import fcntl
-except ImportError:  # Windows: writes re-read and merge, unlocked
-    fcntl = None  # type: ignore[assignment]
-
-from .. import __version__, compat
+from .. import __version__, compat, file_lock
 from ..options import Options
 from ..report import Count, atomic_write_text, report
 from .key import ChoiceKey
@@ -219,22 +214,10 @@ class ChoiceCache:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        """Exclusive across processes (enn_backend.file_lock)."""
         assert self.path
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            deadline = time.monotonic() + LOCK_TIMEOUT_S
-            while fcntl is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"{self.path}.lock held by another process for {LOCK_TIMEOUT_S:.0f}s") from None
-                    time.sleep(0.01)
+        with file_lock.locked(self.path, LOCK_TIMEOUT_S):
             yield
-        finally:
-            os.close(fd)
 
     def _travel(self, e: ChoiceEntry) -> None:
         """Record ``e`` for torch.compiler.save_cache_artifacts() (a persisted cache's only)."""
