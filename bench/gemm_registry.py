@@ -35,6 +35,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from enn_backend.registry.measure import run_ms
+
 # name -> (M, N, K): tokens x out x in of one projection
 SHAPES = {
     "llama_qkv": (4096, 12288, 4096), "llama_up": (4096, 11008, 4096), "llama_down": (4096, 4096, 11008),
@@ -57,20 +59,7 @@ def model_fn(family: str):
 def time_ms(fn, device: str, reps: int = 20) -> float:
     for _ in range(3):
         fn()
-    samples = []
-    for _ in range(reps):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            samples.append(a.elapsed_time(b))
-        else:
-            t = time.perf_counter()
-            fn()
-            samples.append(1e3 * (time.perf_counter() - t))
-    return statistics.median(samples)
+    return statistics.median(run_ms(fn, device) for _ in range(reps))
 
 
 def choices() -> list[dict]:

@@ -37,6 +37,20 @@ def _sync(device_type: str) -> None:
         torch.cuda.synchronize()
 
 
+def run_ms(fn: Callable[[], Any], device_type: str) -> float:
+    """One run of ``fn`` in milliseconds: CUDA events on a GPU, the wall clock elsewhere."""
+    if device_type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b)
+    t = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - t)
+
+
 def time_ms(fn: Callable[[], Any], device_type: str, budget_ms: float) -> float | None:
     """The median time of ``fn`` in milliseconds, or None when it raised or its warm-up overran."""
     try:
@@ -51,17 +65,7 @@ def time_ms(fn: Callable[[], Any], device_type: str, budget_ms: float) -> float 
         samples: list[float] = []
         start = time.perf_counter()
         while len(samples) < MIN_RUNS or (len(samples) < MAX_RUNS and 1e3 * (time.perf_counter() - start) < budget_ms):
-            if device_type == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                samples.append(a.elapsed_time(b))
-            else:
-                t = time.perf_counter()
-                fn()
-                samples.append(1e3 * (time.perf_counter() - t))
+            samples.append(run_ms(fn, device_type))
         return statistics.median(samples)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails here is simply not chosen
         log.info("enn registry: candidate raised while timed (%s: %s)", type(exc).__name__, str(exc)[:200])
