@@ -57,9 +57,12 @@ def encode_args(args: Any, kwargs: dict[str, Any], is_tensor, is_symint) -> tupl
     return template, tensors, ints
 
 
-def make_spec(op: torch._ops.OpOverload, template: dict, range_name: str = "") -> str:
-    """The spec of ``op`` called as ``template`` says; ``range_name``: the profiler range it runs in."""
+def make_spec(op: torch._ops.OpOverload, template: dict, range_name: str = "", reference: bool = False) -> str:
+    """The spec of ``op`` called as ``template`` says; ``range_name``: the profiler range it runs in;
+    ``reference``: the op runs its reference path (:data:`REFERENCE_PATHS`), not its safe path."""
     extra = {"range": range_name} if range_name else {}
+    if reference:
+        extra["reference"] = True
     return json.dumps({"op": op_name(op), **template, **extra}, sort_keys=True)
 
 
@@ -118,6 +121,31 @@ def register_safe_path(op_name: str) -> Callable[[Callable[..., Any]], Callable[
     return deco
 
 
+# enn op name -> its reference path: what the guard's eager reference (GraphCompiler.safe_gm)
+# runs for the op, where that differs from its safe path. An op whose correct results differ
+# from its safe path's by design (an FP8 GEMM rounds its operands to FP8; its safe path is the
+# GEMM in its own dtype) is judged against an emulation of its own arithmetic, so that its
+# rounding is not a fault, while pinning it still runs the safe path. An op with no entry here is
+# judged against its safe path.
+REFERENCE_PATHS: dict[str, Callable[..., Any]] = {}
+
+
+def register_reference_path(op_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: ``fn(*args, **kwargs)`` is the reference path of enn op ``op_name`` ('enn.x.default')."""
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        REFERENCE_PATHS[op_name] = fn
+        return fn
+
+    return deco
+
+
+def reference_path(op_name: str) -> Optional[Callable[..., Any]]:
+    """What the guard's reference runs for ``op_name``: its reference path, else its safe path
+    (None: neither is registered, the op itself runs)."""
+    return REFERENCE_PATHS.get(op_name, SAFE_PATHS.get(op_name))
+
+
 def _eager_layout(t: Any) -> Any:
     """``t`` with no zero stride on a size-1 dimension: there it takes the stride a contiguous
     tensor has (1 for the last dimension). Such a stride addresses nothing, so Inductor may give
@@ -136,12 +164,16 @@ def _eager_layout(t: Any) -> Any:
 
 
 def call_spec(spec: str, tensors: list, ints: list, safe: bool = True) -> Any:
-    """The op ``spec`` names called on ``tensors`` / ``ints``: its safe path when ``safe``, else the op."""
+    """The op ``spec`` names called on ``tensors`` / ``ints``: when ``safe``, its reference path
+    if the spec says ``reference`` (:func:`reference_path`), else its safe path; else the op."""
     op, data = _decode(spec)
     tensors = [_eager_layout(t) for t in tensors]
     args = _fill(data["args"], tensors, ints)
     kwargs = {k: _fill(v, tensors, ints) for k, v in data["kwargs"].items()}
-    return (SAFE_PATHS.get(data["op"], op) if safe else op)(*args, **kwargs)
+    if not safe:
+        return op(*args, **kwargs)
+    path = reference_path(data["op"]) if data.get("reference") else SAFE_PATHS.get(data["op"])
+    return (path or op)(*args, **kwargs)
 
 
 def _run(spec: str, tensors: list, ints: list, fake: bool = False) -> list[torch.Tensor]:

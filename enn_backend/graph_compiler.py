@@ -25,7 +25,7 @@ import torch
 import torch.fx as fx
 
 from . import blame, build_choice, compat, nvtx
-from .custom_ops.pinned import EMITTED
+from .custom_ops.pinned import EMITTED, REFERENCE_PATHS, op_name
 from .debug.repro import write_repro
 from .guard import graph_edit as E
 from .guard.calls import distributed
@@ -143,7 +143,7 @@ class GraphCompiler:
         self.pinned_names: frozenset[str] = self._pins_from_state() | self._known_miscompile_pins()
         self.fp32 = self.state.lookup(graph_key(self.eager_gm)) is not None
         self._fp32_gm: fx.GraphModule | None = None
-        self._safe_gm: fx.GraphModule | None = None
+        self._safe_gms: dict[frozenset[str], fx.GraphModule] = {}  # reference_pins -> safe_gm
         self._eager_runs: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
         self._pinned_in: dict[int, int] = {}  # id(artifact) -> enn::pinned nodes in it
         self.first_build = True  # False once built (or loaded from a cache): later builds are recompiles
@@ -161,27 +161,53 @@ class GraphCompiler:
         return self.pinned_names | extra
 
     def fp32_gm(self) -> fx.GraphModule:
+        """The graph in fp32, the kernels enn chose on their safe paths (as pinning runs them): the
+        fp32 retry's eager run and what ``build(fp32=True)`` compiles."""
         if self._fp32_gm is None:
-            self._fp32_gm = E.promote_to_fp32(self.safe_gm())
+            nodes = self._enn_nodes()
+            self._fp32_gm = E.promote_to_fp32(E.pin_nodes(self.eager_gm, nodes) if nodes else self.eager_gm)
         return self._fp32_gm
 
-    def fp64_gm(self) -> fx.GraphModule:
+    def fp64_gm(self, pins: frozenset[str] | None = None) -> fx.GraphModule:
         """The reference in fp64: the judge when compiled and eager values disagree (built on
-        demand, not kept: a disagreement is rare and the copy is as large as the graph). Its
-        attention kernels run enn's attention math in fp64 (their safe paths)."""
-        return E.for_eager_runs(E.on_safe_paths(E.promote(self.safe_gm(), torch.float64)))
+        demand, not kept: a disagreement is rare and the copy is as large as the graph). It is
+        :meth:`safe_gm` (of the graph built with ``pins``) computing in fp64: an enn op runs its
+        reference path in fp64 (an FP8 GEMM: the same FP8 quantization, the products summed in
+        fp64), and its attention kernels run enn's attention math in fp64 (their safe paths)."""
+        return E.for_eager_runs(E.on_safe_paths(E.promote(self.safe_gm(pins), torch.float64)))
 
-    def safe_gm(self) -> fx.GraphModule:
-        """The eager copy the guard re-runs: the ATen graph as given, except the kernels enn
-        chose -- its own ops (fused attention, GEMM epilogues) and the ATen attention kernels
-        its passes emitted -- which run their registered safe path, so a kernel enn chose is
-        never the reference it is judged against. An op the user wrote (their own SDPA call)
-        runs as ATen runs it: the reference is what eager would compute."""
-        if self._safe_gm is None:
-            enn_nodes = [n.name for n in E.candidate_nodes(self.eager_gm)
-                         if n.target.namespace == "enn" or n.meta.get(EMITTED)]
-            self._safe_gm = E.pin_nodes(self.eager_gm, enn_nodes) if enn_nodes else self.eager_gm
-        return self._safe_gm
+    def safe_gm(self, pins: frozenset[str] | None = None) -> fx.GraphModule:
+        """The eager copy the guard re-runs, the reference of the graph built with ``pins``
+        (default: as it is built now, :meth:`reference_pins`): the ATen graph as given, except
+        the kernels enn chose -- its own ops (fused attention, GEMM epilogues, FP8 GEMMs) and the
+        ATen attention kernels its passes emitted -- which run their registered reference path
+        (``custom_ops.pinned.reference_path``: the safe path, unless the op registers a reference
+        of its own), so a kernel enn chose is never the reference it is judged against.
+
+        An op whose reference differs from its safe path (an FP8 GEMM: FP8 emulated, against
+        the GEMM in its own dtype) runs its reference where the graph runs the op, and its safe
+        path where the graph is built with it pinned: FP8's rounding is the op's result, not a
+        fault, and a demoted FP8 GEMM is judged as the plain GEMM it now is. One copy is kept per
+        set of such pinned ops. An op the user wrote (their own SDPA call) runs as ATen runs it:
+        the reference is what eager would compute."""
+        key = self.reference_pins(pins)
+        if key not in self._safe_gms:
+            nodes = self._enn_nodes()
+            self._safe_gms[key] = (E.pin_nodes(self.eager_gm, nodes, reference=frozenset(nodes) - key)
+                                   if nodes else self.eager_gm)
+        return self._safe_gms[key]
+
+    def reference_pins(self, pins: frozenset[str] | None = None) -> frozenset[str]:
+        """Of the graph built with ``pins`` (default: the pins now; under fp32 every enn op, as
+        ``fp32_gm`` runs them), the pinned ops whose reference path is not their safe path: what
+        tells one reference (:meth:`safe_gm`) from another."""
+        own = frozenset(n.name for n in E.candidate_nodes(self.eager_gm)
+                        if n.target.namespace == "enn" and op_name(n.target) in REFERENCE_PATHS)
+        return own if self.fp32 else (self.pinned_names if pins is None else pins) & own
+
+    def _enn_nodes(self) -> list[str]:
+        """The kernels enn chose: its own ops and the ATen kernels its passes emitted."""
+        return [n.name for n in E.candidate_nodes(self.eager_gm) if n.target.namespace == "enn" or n.meta.get(EMITTED)]
 
     def runs_eagerly(self, gm: fx.GraphModule) -> fx.GraphModule:
         """``gm``, one of the graphs this compiler keeps (``safe_gm``, ``fp32_gm``), as the guard

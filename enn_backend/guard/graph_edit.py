@@ -141,8 +141,11 @@ def on_safe_paths(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def pin_nodes(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
-    """Copy of ``gm`` with the named nodes replaced by ``enn::pinned`` calls."""
+def pin_nodes(gm: fx.GraphModule, names: Iterable[str], reference: Iterable[str] = ()) -> fx.GraphModule:
+    """Copy of ``gm`` with the named nodes replaced by ``enn::pinned`` calls, each running its
+    op's safe path, those also named in ``reference`` its reference path
+    (``custom_ops.pinned.reference_path``: what the guard's eager reference runs)."""
+    reference = set(reference)
     names = set(names)
     gm = copy_gm(gm)
     if not names:
@@ -160,7 +163,7 @@ def pin_nodes(gm: fx.GraphModule, names: Iterable[str]) -> fx.GraphModule:
             return isinstance(x, fx.Node) and isinstance(_val(x), torch.SymInt)
 
         template, tensors, ints = P.encode_args(n.args, dict(n.kwargs), is_tensor, is_symint)
-        spec = P.make_spec(n.target, template)
+        spec = P.make_spec(n.target, template, reference=n.name in reference)
         with graph.inserting_before(n):
             p = graph.call_function(torch.ops.enn.pinned.default, (spec, tensors, ints))
         fake_args = ([_val(t) for t in tensors], [_val(i) for i in ints])

@@ -109,9 +109,10 @@ class FaultLadder:
             return Run(None, inputs, self.compiler.mutated, exc)
         return Run(list(outputs(out)), inputs, self.compiler.mutated, None)
 
-    def reference(self, call: Call) -> Run:
-        """The eager reference (enn's eager copy of the graph) re-run on this call."""
-        return self.rerun(self.compiler.runs_eagerly(self.compiler.safe_gm()), call, eager=True)
+    def reference(self, call: Call, pins: frozenset[str] | None = None) -> Run:
+        """The eager reference (enn's eager copy of the graph) re-run on this call: that of the
+        graph as built now, or built with ``pins`` (``GraphCompiler.safe_gm``)."""
+        return self.rerun(self.compiler.runs_eagerly(self.compiler.safe_gm(pins)), call, eager=True)
 
     def results(self, out: Any, call: Call) -> list:
         """What the compiled call produced: its outputs, then the inputs it wrote, as it left them."""
@@ -158,11 +159,12 @@ class FaultLadder:
         return any(compiled_is_worse(got[i], ref[i], ref64[i], bool(self.low_precision))
                    for i in off if i < len(ref64))
 
-    def fp64_reference(self, call: Call) -> list | None:
-        """The fp64 run of the graph on this call: its results (outputs, then what it wrote into
-        inputs, in their dtype); None where the graph has no fp64 run."""
+    def fp64_reference(self, call: Call, pins: frozenset[str] | None = None) -> list | None:
+        """The fp64 run of the graph (as built now, or built with ``pins``) on this call: its
+        results (outputs, then what it wrote into inputs, in their dtype); None where the graph
+        has no fp64 run."""
         try:
-            gm = self.compiler.fp64_gm()
+            gm = self.compiler.fp64_gm(pins)
         except Exception as exc:  # noqa: BLE001 - building the fp64 graph failed
             run = Run(None, [], [], exc)
         else:
@@ -426,22 +428,32 @@ class Trials:
     def __init__(self, ladder: FaultLadder, kind: str, call: Call, ref: Run) -> None:
         self.ladder, self.kind, self.call, self.ref = ladder, kind, call, ref
         self.kept: dict[frozenset[str], Any] = {}  # pin set -> a clean trial's artifact
-        self._fp64: list | None = None  # the fp64 run of the reference, made when a trial first needs it
-        self._fp64_made = False
+        # reference_pins -> the reference of a trial whose pins change it (an op whose reference
+        # is not its safe path pinned: GraphCompiler.safe_gm); ``ref`` is that of the graph now
+        self._refs: dict[frozenset[str], Run] = {ladder.compiler.reference_pins(): ref}
+        self._fp64: dict[frozenset[str], list | None] = {}  # reference_pins -> its fp64 run, made when needed
         self._raised = False  # a trial's exception was logged (once)
 
-    def is_wrong(self, got: list) -> bool:
-        ladder, ref = self.ladder, self.ref.results
+    def is_wrong(self, got: list, pins: frozenset[str] = frozenset()) -> bool:
+        """Are a trial's results (the graph built with ``pins`` more) wrong? Judged against the
+        reference of the graph with those pins."""
+        ladder, c = self.ladder, self.ladder.compiler
+        key = c.reference_pins(c.pinned_now(pins))
+        if key not in self._refs:
+            self._refs[key] = ladder.reference(self.call, c.pinned_now(pins))
+        if self._refs[key].exc is not None:
+            return True  # that reference raised: only the graph's own reference is known right
+        ref = self._refs[key].results
         if ladder.random:
             return self.kind != "exception" and bool(divergent(got, ref, nonfinite_outputs(got))[0])
         off = ladder.values_off(got, ref)
         if not off:
             return False
-        if not self._fp64_made:
-            self._fp64, self._fp64_made = ladder.fp64_reference(self.call), True
-        if self._fp64 is None:
+        if key not in self._fp64:
+            self._fp64[key] = ladder.fp64_reference(self.call, c.pinned_now(pins))
+        if self._fp64[key] is None:
             return True  # no fp64 run to say the difference is rounding: only eager's values are known right
-        return ladder.compiled_is_wrong(self.call, got, ref, off, self._fp64)
+        return ladder.compiled_is_wrong(self.call, got, ref, off, self._fp64[key])
 
     def still_faulty(self, pins: frozenset[str]) -> bool:
         """One trial: the graph with ``pins`` (a pin set found fault-free before re-runs its kept artifact)."""
@@ -453,7 +465,7 @@ class Trials:
                 log.info("enn: graph %s: a localization trial with %d pin(s) raised (%s: %s); counted as faulty",
                          self.ladder.record.id, len(pins), type(run.exc).__name__, run.exc)
             return True
-        faulty = self.is_wrong(run.outputs[:self.ref.n_out] + run.results[run.n_out:])
+        faulty = self.is_wrong(run.outputs[:self.ref.n_out] + run.results[run.n_out:], pins)
         if not faulty:
             self.kept[pins] = compiled
         return faulty
