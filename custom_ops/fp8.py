@@ -26,6 +26,13 @@ the same FP8 values as reusing its forward cast).
 Safe path (what a pinned node runs, :func:`_safe_path`): the same GEMM in its own dtype,
 ``addmm(bias, a, b)`` / ``mm(a, b)``: pinning an FP8 GEMM demotes it to the GEMM it replaced.
 
+Reference path (what the guard's eager reference runs, :func:`_reference_path`): FP8 emulated,
+the same scales and the same quantization as step 1, then the GEMM of the FP8 values in fp32
+(fp64 for fp64 operands: the guard's fp64 judge), the inverse scales applied to its result, the
+result rounded to the GEMM's dtype, the bias added after. A correct kernel differs from it only
+by the order of its fp32 sums, so the guard's value tolerances apply unchanged and a drift of
+the result (a scale off) is a fault; FP8's rounding is not.
+
 Non-finite values: an operand holding NaN or Inf has a NaN or zero scale, and the result is
 NaN where it reads that operand (as the high-precision GEMM is NaN/Inf there). A finite operand
 always has a finite, non-zero scale (``EPS`` bounds it above by ``fmax / EPS``), so an overflowed
@@ -41,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from .pinned import register_safe_path
+from .pinned import register_reference_path, register_safe_path
 
 RECIPES = ("rowwise", "tensorwise")
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -142,6 +149,18 @@ def _safe_path(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], r
                b_fmt: str) -> torch.Tensor:
     """What a pinned enn::fp8_mm runs: the GEMM it replaced, in its own dtype."""
     return torch.mm(a, b) if bias is None else torch.addmm(bias.to(a.dtype), a, b)
+
+
+@register_reference_path("enn.fp8_mm.default")
+def _reference_path(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str, a_fmt: str,
+                    b_fmt: str) -> torch.Tensor:
+    """What the guard's reference runs for enn::fp8_mm: FP8 emulated (the module doc), in ``a``'s dtype."""
+    rowwise = recipe == "rowwise"
+    qa, ia = quantize(a, a_fmt, 1 if rowwise else None, pow2=rowwise)
+    qb, ib = quantize(b, b_fmt, 0 if rowwise else None, pow2=rowwise)
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out = ((qa.to(acc) @ qb.to(acc)) * ia.to(acc) * ib.to(acc)).to(a.dtype)
+    return out if bias is None else out + bias.to(out.dtype)
 
 
 # --------------------------------------------------------------------------- the FP8 bound
