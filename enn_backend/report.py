@@ -198,6 +198,13 @@ class Report:
             if all(g is not rec for g in self.graphs):
                 self.graphs.append(rec)
 
+    def unit_fusions(self, unit: str, kind: str) -> int:
+        """How many fusions of ``kind`` the passes made in ``unit`` (its graphs' and those not
+        yet given to a graph)."""
+        with self._lock:
+            return (sum(g.fusions.get(kind, 0) for g in self.graphs if g.unit == unit)
+                    + self._pending_unit_fusions.get(unit, Counter()).get(kind, 0))
+
     def add_unit_fusion(self, unit: str, kind: str, count: int = 1) -> None:
         with self._lock:
             self._pending_unit_fusions.setdefault(unit, Counter())[kind] += count

@@ -33,7 +33,11 @@ A disagreement is judged by an fp64 run of the Dynamo graph (``screen.compiled_i
 - otherwise nobody is blamed (the Dynamo graph is the outlier, or no fp64 run exists): counted in
   the report (``guard.dynamo_reference_outlier``), compiled result kept.
 
-Not compared: a unit that draws random numbers (the RNG moves during its compiled call; random
+Not compared: a unit holding FP8 GEMMs (option ``fp8``: the fp8 pass rewrote a GEMM of it into
+``enn::fp8_mm``; logged once, counted as ``guard.dynamo_reference_off``). Its Dynamo graph computes
+those GEMMs un-quantized, so FP8's own rounding would read as a fault there. The per-graph value
+check covers such a unit: its reference runs each FP8 GEMM as FP8 emulated (``custom_ops.fp8``).
+Nor a unit that draws random numbers (the RNG moves during its compiled call; random
 draws differ by design), nor one whose Dynamo graph cannot run eagerly (logged once, counted as
 ``guard.dynamo_reference_off``). A backward is compared where AOT Autograd's backward node is
 found among the outputs' autograd history (counted as ``guard.dynamo_backward_checks``).
@@ -206,6 +210,11 @@ class DynamoReference:
         torch.distributed, where ranks must run the same graphs: asked on each sampled call).
         ``metadata``: AOT Autograd's view-and-mutation metadata of the unit (what it writes)."""
         checks = opts.guard.checks_outputs and (opts.guard_values > 0 or opts.guard.checks_every_value)
+        if checks and report().unit_fusions(unit, "fp8"):
+            report().count(Count.DYNAMO_REFERENCE_OFF)
+            log.info("enn: unit %s: no Dynamo-graph reference: it holds FP8 GEMMs (option fp8), which its Dynamo "
+                     "graph computes un-quantized; its per-graph value checks compare them with FP8 emulated", unit)
+            return compiled
         return cls(compiled, gm, opts, unit, metadata) if checks else compiled
 
     def _sampled(self) -> bool:
