@@ -210,3 +210,75 @@ def test_no_fault_keeps_fp8_and_trains_close_to_bf16():
     assert all(not mods for mods in _pins().values())
     assert enn_backend.report().graphs[0].fusions.get("fp8") == 3
     _assert_close_to_bf16([p.grad for p in model.parameters()])
+
+
+# ----------------------------------------------------------------- the guard's FP8 reference
+class Net32(Net):
+    """:class:`Net` computing in fp32 (no autocast): the value checks' fp32 tolerances (rtol 1e-4)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            x = torch.relu(x) if i < len(self.layers) - 1 else x
+        return x.pow(2).mean()
+
+
+def _train32(options: dict, steps: int = 2) -> Net32:
+    model = Net32()
+    compiled = torch.compile(model, backend="enn", options={**OPTS, **options})
+    for _ in range(steps):
+        model.zero_grad()
+        compiled(_x()).backward()
+    return model
+
+
+@pytest.mark.parametrize("recipe", F8.RECIPES)
+def test_reference_path_is_fp8_emulated(recipe):
+    """The guard's reference of enn::fp8_mm is FP8 emulated: the kernel's result up to the order
+    of its fp32 sums, far closer than the GEMM in its own dtype (the safe path)."""
+    from enn_backend.custom_ops.pinned import SAFE_PATHS, reference_path
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 64, generator=g) * 3, torch.randn(64, 48, generator=g) / 5
+    bias = torch.randn(48, generator=g)
+    for fa, fb in {F8.formats_for(recipe, False, False), F8.formats_for(recipe, True, False)}:
+        got = enn.fp8_mm(a, b, bias, recipe, fa, fb)
+        ref = reference_path("enn.fp8_mm.default")(a, b, bias, recipe, fa, fb)
+        safe = SAFE_PATHS["enn.fp8_mm.default"](a, b, bias, recipe, fa, fb)
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(got, safe, rtol=1e-2, atol=1e-2)
+        ref64 = reference_path("enn.fp8_mm.default")(a.double(), b.double(), bias.double(), recipe, fa, fb)
+        assert ref64.dtype == torch.float64 and torch.allclose(ref64, ref.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("recipe", F8.RECIPES)
+def test_fp32_model_passes_its_value_checks_with_fp8(recipe):
+    """An fp32 model with FP8 GEMMs: its value checks (first calls, forward and backward) find
+    nothing -- FP8's rounding is what the reference computes too -- and FP8 stays."""
+    _train32({"fp8": recipe})
+    graphs = enn_backend.report().graphs
+    assert graphs[0].fusions.get("fp8") == 3
+    assert all(not mods for mods in _pins().values()), _pins()
+    assert {g.phase for g in graphs if g.counters.get("value_checks")} == {"forward", "backward"}
+    runtime = [(f.kind, f.reason) for f in enn_backend.report().fallbacks if f.phase != "compile"]
+    assert runtime == []
+    # the unit's Dynamo-graph reference (un-quantized GEMMs) is off, and says so
+    assert enn_backend.report().counters["guard.dynamo_reference_off"] == 1
+
+
+def test_fp32_model_finite_drift_of_5_percent_demotes_only_that_layer():
+    """A finite drift of one FP8 GEMM (its result scaled 1.05) is caught by the forward's first
+    value check against FP8 emulated, and demotes layer 1 only. (FP8's worst-case bound,
+    ``error_bound``, allows about 2^-3 relative error against the exact product, so 1.05 is
+    inside it; the guard does not judge by that bound but against FP8 emulated, at fp32's
+    tolerance, where 1.05 is far outside.)"""
+    # every call value-checked: after the demotion, the demoted GEMM is judged as the plain GEMM
+    model = _train32({"fp8": "rowwise", "fault_inject": "enn.fp8_mm:scale1.05:fwd", "guard_values": 1}, steps=3)
+    pins = _pins()
+    faulted = [gid for gid, mods in pins.items() if mods]
+    assert faulted and all(pins[g] == ["layers.1"] for g in faulted) and any(g.endswith("forward") for g in faulted), pins
+    runtime = [f for f in enn_backend.report().fallbacks if f.phase != "compile"]
+    # one fault, in the forward; the backward's GEMMs of the layer go with it (kernel state)
+    assert [(f.kind, f.graph) for f in runtime if f.kind != "pinned_from_state"] == [("value", "g0/forward")], \
+        [(f.kind, f.graph, f.reason) for f in runtime]
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
