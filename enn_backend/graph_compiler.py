@@ -201,9 +201,14 @@ class GraphCompiler:
         """Of the graph built with ``pins`` (default: the pins now; under fp32 every enn op, as
         ``fp32_gm`` runs them), the pinned ops whose reference path is not their safe path: what
         tells one reference (:meth:`safe_gm`) from another."""
-        own = frozenset(n.name for n in E.candidate_nodes(self.eager_gm)
-                        if n.target.namespace == "enn" and op_name(n.target) in REFERENCE_PATHS)
+        own = self._with_own_reference
         return own if self.fp32 else (self.pinned_names if pins is None else pins) & own
+
+    @functools.cached_property
+    def _with_own_reference(self) -> frozenset[str]:
+        """The graph's enn ops whose reference path is not their safe path (the graph never changes)."""
+        return frozenset(n.name for n in E.candidate_nodes(self.eager_gm)
+                         if n.target.namespace == "enn" and op_name(n.target) in REFERENCE_PATHS)
 
     def _enn_nodes(self) -> list[str]:
         """The kernels enn chose: its own ops and the ATen kernels its passes emitted."""
