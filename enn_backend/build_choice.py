@@ -9,22 +9,26 @@ graph whose step waits on the host. The rule (:func:`choose`):
     host-bound  where  host_us >= HOST_SHARE x device_us   (the predicted kernel time)
     a host-bound graph gets enn's launch-saving defaults; any other is built without them.
 
-The rule is applied only where :data:`APPLIED` is set, and it is not by default: the one GPU
-run with it applied (H200, torch 2.11; bench/results/gpu-h200/real_build_rule_2026-11-28.md)
-measured the decoders it moved to the Python wrapper at 0.81-0.86x Inductor's step time and no
-shorter cold compile (compile_breakdown_train_2026-11-28.log), where enn had measured 1.2x and
-more with its defaults on every graph. It stays off until a side-by-side run shows it wins
-(``bench/compile_breakdown.py``'s variant ``enn host rule on``). Every graph keeps enn's defaults,
-and the report records what the rule would have chosen (``"applied": false``).
+The rule is applied where :data:`APPLIED` is set, as it is by default. A graph built without
+the C++ wrapper inside a compile_fx that set the C++ wrapper's config is built with Inductor's
+own config for the Python wrapper (``compat.cpp_wrapper_config``): the one GPU run that applied
+the rule without that (H200, torch 2.11; bench/results/gpu-h200/real_build_rule_2026-11-28.md)
+measured the decoders it moved to the Python wrapper at 0.81-0.86x Inductor's step time, their
+kernels built with launchers meant for a C++ wrapper. What the rule costs and saves is measured
+side by side by ``bench/compile_breakdown.py`` (variant ``enn host rule off``: enn's
+launch-saving defaults on every graph) and the real-model bench.
 
 ``kernels`` and ``device_us`` are estimated from the graph (:func:`estimate`): a kernel for each
 GEMM, convolution, attention or other non-pointwise op, and one per chain of pointwise ops (the
 chain Inductor fuses); its time from a roofline of the op's FLOPs and the bytes it writes and
 reads. The estimate sees the graph before Inductor fuses it and assumes peak rates, so it
 predicts fewer microseconds than the kernels take: a graph near the line counts as host-bound,
-as every graph did before this rule. Calibrated on the real-model suite, H100, torch 2.11
-(bench/HISTORY.md: ViT, ResNet-18 and T5 training gain 1.35-1.44x from the C++ wrapper at 3.8-9 ms
-of kernel time and 170-400 launches a step; GPU-bound steps neither gain nor lose).
+as every graph did before this rule. Calibrated on the real-model suite, H100 and H200, torch
+2.11 (bench/HISTORY.md: ViT, ResNet-18 and T5 training gain 1.35-1.44x from the C++ wrapper at
+3.8-9 ms of kernel time and 170-400 launches a step; GPU-bound steps neither gain nor lose;
+bench/results/gpu-h200/compile_guard_variants_2026-11-28.log: ViT's graphs, host-bound by the
+step's 50-60% idle time, predict 0.046-0.051 kernels per microsecond of kernel time, GPT-2's and
+LLaMA's, GPU-bound at 1-3% idle, 0.009-0.024: the line falls between 11 and 20 us per kernel).
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ import torch.fx as fx
 
 from . import compat
 
-APPLIED = False  # see the module's docstring
-PYTHON_WRAPPER_US_PER_KERNEL = 8.0  # the Python wrapper's host work per launch (H100 host, 2.11)
+APPLIED = True  # see the module's docstring
+PYTHON_WRAPPER_US_PER_KERNEL = 15.0  # the Python wrapper's host work per launch, with its share of the step's (2.11)
 HOST_SHARE = 0.5  # host-bound: the launch work is at least this share of the kernel time
 PEAK_FLOPS = {torch.bfloat16: 4e14, torch.float16: 4e14}  # per second, tensor cores (H100 class)
 PEAK_FLOPS_OTHER = 5e13  # other dtypes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import typing
@@ -12,7 +13,8 @@ import torch
 import torch.fx
 
 from torch._inductor import config as inductor_config
-from torch._inductor.compile_fx import compile_fx, compile_fx_inner  # noqa: F401
+from torch._inductor import compile_fx as _compile_fx_module
+from torch._inductor.compile_fx import compile_fx_inner  # noqa: F401
 from torch._inductor.decomposition import select_decomp_table  # noqa: F401
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.fx_passes.post_grad import remove_noop_ops  # noqa: F401
@@ -78,18 +80,57 @@ def real_inputs(args: list) -> Iterator[None]:
         yield
 
 
+# The values, outside enn's compile_fx call, of the config keys compile_fx changes for a C++
+# wrapper (None outside such a call): see cpp_wrapper_config.
+_OUTSIDE_CPP_WRAPPER: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "enn_outside_cpp_wrapper_config", default=None)
+
+
+def _cpp_wrapper_config() -> dict[str, Any]:
+    """``get_cpp_wrapper_config()``: what compile_fx patches around a graph with a C++ wrapper
+    (kernel binaries kept for the wrapper to load, autotuning at compile time, ...)."""
+    with inductor_config.patch({"triton.cudagraphs": False}):  # its only side effect is a log on that
+        return _compile_fx_module.get_cpp_wrapper_config()
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, *, config_patches: dict | None = None,
+               **kwargs: Any) -> Any:
+    """torch's compile_fx, for enn's units. It remembers what the keys of the C++ wrapper's
+    config hold outside it (with ``config_patches``), so that a graph enn builds with the Python
+    wrapper inside a compile_fx that set the C++ wrapper's config gets them back
+    (:func:`cpp_wrapper_config`)."""
+    patches = dict(config_patches or {})
+    outside = {k: patches.get(k, _config_value(k)) for k in _cpp_wrapper_config()}
+    token = _OUTSIDE_CPP_WRAPPER.set(outside)
+    try:
+        return _compile_fx_module.compile_fx(gm, example_inputs, config_patches=config_patches, **kwargs)
+    finally:
+        _OUTSIDE_CPP_WRAPPER.reset(token)
+
+
+def _config_value(key: str) -> Any:
+    obj: Any = inductor_config
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 @contextlib.contextmanager
 def cpp_wrapper_config(on: bool) -> Iterator[None]:
-    """Inductor's config for a graph compiled with the C++ wrapper (``get_cpp_wrapper_config``:
-    kernel binaries kept for the wrapper to load, ...), as compile_fx sets it around a forward
-    (``on``; nothing otherwise). Around a backward, 2.11's compile_fx sets it only where
-    ``cpp_wrapper`` was on when AOT Autograd asked, and its compile_fx_inner never does."""
-    if not on:
+    """Inductor's config for a graph built with the C++ wrapper (``on``), or with the Python
+    wrapper (not ``on``), whatever compile_fx set around it.
+
+    compile_fx sets the C++ wrapper's config (``get_cpp_wrapper_config``) around every graph of
+    a unit it compiles with ``cpp_wrapper``; around a backward, 2.11's compile_fx sets it only
+    where ``cpp_wrapper`` was on when AOT Autograd asked, and its compile_fx_inner never does.
+    A graph enn builds with the Python wrapper inside such a compile_fx gets the values those keys
+    hold outside it (:func:`compile_fx`): built as ``backend="inductor"`` builds it, not with
+    kernel binaries and launchers meant for a C++ wrapper."""
+    config = _cpp_wrapper_config() if on else _OUTSIDE_CPP_WRAPPER.get()
+    if not config:
         yield
         return
-    from torch._inductor.compile_fx import get_cpp_wrapper_config
-
-    with inductor_config.patch(get_cpp_wrapper_config()):
+    with inductor_config.patch(config):
         yield
 
 
@@ -168,7 +209,7 @@ def lifts_params(tracing_ctx: Any) -> bool:
 
 def inductor_compile_fx(gm: torch.fx.GraphModule, example_inputs: Any, **kwargs: Any) -> Any:
     """Inductor's own compile_fx (the exact path of ``backend="inductor"``)."""
-    return compile_fx(gm, example_inputs, **kwargs)
+    return _compile_fx_module.compile_fx(gm, example_inputs, **kwargs)
 
 
 def hash_files(paths: list[str]) -> str:
