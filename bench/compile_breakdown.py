@@ -9,7 +9,8 @@ enn they are the report's per graph, with each graph's build choice (C++ wrapper
 
 Variants: ``inductor``; ``enn``; ``enn host rule off`` (enn without the rule of
 ``enn_backend.build_choice``: its launch-saving defaults on every graph, not only host-bound ones);
-``enn guard MODE`` (enn with options={"guard": MODE}, e.g. ``enn guard off``: the guard's share).
+``enn guard MODE`` (enn with options={"guard": MODE}, e.g. ``enn guard off``: the guard's share);
+``enn no combo`` (enn without combo kernels: what they cost at compile time).
 Each line also counts Inductor's graph compiles and the Triton kernels it compiled; ``--profile N``
 adds the N functions of the main process with the most cumulative time in the first step (cProfile:
 compile workers are other processes, and the profiler slows the step).
@@ -49,7 +50,8 @@ def one(name: str, mode: str, variant: str, device: str, profile: int = 0) -> di
         build_choice.APPLIED = False
     entry = models.build(name, "gpu-real" if device == "cuda" else "cpu-small", device=device, seed=0)
     opt = torch.optim.AdamW(entry.model.parameters(), lr=1e-4) if mode == "train" else None
-    options = {"guard": variant.split()[-1]} if variant.startswith("enn guard ") else None
+    options = ({"guard": variant.split()[-1]} if variant.startswith("enn guard ") else
+               {"combo_kernels": False} if variant == "enn no combo" else None)
     fn = torch.compile(entry.model, backend="inductor" if variant == "inductor" else "enn", options=options)
     counts = _count_compiles()
     dtype = "bf16" if device == "cuda" else "fp32"
