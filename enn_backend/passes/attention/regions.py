@@ -190,17 +190,36 @@ def _private(region: set[fx.Node], inputs: list[fx.Node]) -> dict[int, set[fx.No
 
 
 def _map_exits(exits: list[fx.Node], inputs: list[fx.Node], region: set[fx.Node], bwd: set[fx.Node]) -> dict[int, fx.Node]:
-    """{input index: exit node}: which gradient each exit is (by shape, then by seq_nr)."""
+    """{input index: exit node}: which gradient each exit is.
+
+    Each exit's candidates are the inputs of its shape and dtype, narrowed by the forward node of
+    the same seq_nr, then by the operand of the backward bmm that computes it. Where inputs share
+    a shape (T5's encoder at a sequence length equal to the head size: Q, K, V and the position
+    bias with the padding mask added, all [B, H, T, T]), an input settled for one exit is no
+    other's candidate, until each exit has one input, or the mapping is refused."""
     private = _private(region, inputs)
-    result: dict[int, fx.Node] = {}
+    cands: dict[fx.Node, list[int]] = {}
     for e in exits:
-        cands = [i for i, x in enumerate(inputs) if shape(x) == shape(e) and val(x).dtype == val(e).dtype]
-        if len(cands) > 1:
-            by_seq = [i for i in cands if _seq(e) is not None and any(_seq(p) == _seq(e) for p in private[i])]
-            cands = by_seq if len(by_seq) == 1 else _by_bmm_operand(e, cands, inputs, bwd)
-        if len(cands) != 1 or cands[0] in result:
-            raise Skip(f"cannot tell which input backward node {e.name} is the gradient of")
-        result[cands[0]] = e
+        c = [i for i, x in enumerate(inputs) if shape(x) == shape(e) and val(x).dtype == val(e).dtype]
+        if len(c) > 1:
+            by_seq = [i for i in c if _seq(e) is not None and any(_seq(p) == _seq(e) for p in private[i])]
+            c = by_seq if len(by_seq) == 1 else _by_bmm_operand(e, c, inputs, bwd)
+        cands[e] = c
+    result: dict[int, fx.Node] = {}
+    while True:
+        settled = [(e, c[0]) for e, c in cands.items() if len(c) == 1]
+        if not settled:
+            break
+        for e, i in settled:
+            if i in result:
+                raise Skip(f"cannot tell which input backward node {e.name} is the gradient of")
+            result[i] = e
+            del cands[e]
+        taken = {i for _, i in settled}
+        cands = {e: [i for i in c if i not in taken] for e, c in cands.items()}
+    if cands:
+        e = next(iter(cands))
+        raise Skip(f"cannot tell which input backward node {e.name} is the gradient of")
     return result
 
 
