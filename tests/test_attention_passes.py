@@ -165,6 +165,21 @@ def test_bias_of_several_terms_one_with_gradient(fn, factor, mask_shape):
     assert len(scaled) == (factor != 1.0), [u.format_node() for u in reduced.users]
 
 
+@pytest.mark.parametrize("fn", [t5_bias, t5_bias_scaled, learned_bias], ids=["t5", "scaled", "learned"])
+def test_bias_gradient_told_apart_from_qkvs_of_its_shape(fn):
+    """A bias with a gradient in Q, K and V's own shape (T5's encoder at a sequence length equal to
+    its head size: the position bias with the padding mask added is [B, H, T, T] like Q, K, V):
+    a backward node settled as one input's gradient is no other's candidate, so the last is the
+    bias's, and the values equal eager's."""
+    assert T == D  # the case: every input of one shape
+    g = torch.Generator().manual_seed(2)
+    bias = (0.5 * torch.randn(B, H, T, T, generator=g)).requires_grad_(True)
+    args = (*qkv(), bias) + ((torch.zeros(B, 1, 1, T),) if fn is not learned_bias else ())
+    run = fused(fn, args)
+    backward = the(run.after, enn.attention_backward)
+    assert backward.args[-1] is True  # bias_grad
+
+
 @pytest.mark.parametrize("batch", [1, B])
 def test_three_d_attention_bias_with_gradient(batch):
     """The kernel's bias gradient of a 3-D attention ([B, 1, Tq, Tk], the head axis added) loses the
