@@ -27,6 +27,7 @@ import torch.fx as fx
 from . import blame, build_choice, compat, nvtx
 from .custom_ops.pinned import EMITTED, REFERENCE_PATHS, op_name
 from .debug.repro import write_repro
+from .fx_utils import copy_gm, mutated_input_indices, output_nodes
 from .guard import graph_edit as E
 from .guard.calls import distributed
 from .guard.kernel_entry import graph_key, node_key
@@ -102,7 +103,7 @@ class GraphCompiler:
         self.kwargs = dict(kwargs)
         self.cudagraphs_ok = True  # False once the guard met a fault here: see build()
         self.phase = "backward" if kwargs.get("is_backward") else ("inference" if kwargs.get("is_inference") else "forward")
-        self.eager_gm = E.copy_gm(gm)
+        self.eager_gm = copy_gm(gm)
         self.example_inputs = list(example_inputs)
         self.tracing_ctx = compat.current_tracing_context()
         self.config_patches = config_patches
@@ -123,7 +124,7 @@ class GraphCompiler:
         self.compute_nodes = len(E.candidate_nodes(self.eager_gm))
         self.record.compute_nodes = self.compute_nodes
         # what the guard's fast path needs: inputs the graph writes into, random draws
-        self.mutated = E.mutated_input_indices(self.eager_gm)
+        self.mutated = mutated_input_indices(self.eager_gm)
         # Inputs Inductor may reuse as scratch (a backward's donated saved tensors). enn compiles
         # guarded graphs without donation (compat.saved_tensors_kept); any that are donated
         # regardless are copied on checked calls like mutated inputs, so a re-run reads them intact.
@@ -134,7 +135,7 @@ class GraphCompiler:
         # a training forward's outputs past its results are saved for the backward: their
         # integers are bookkeeping, which the value check compares by dtype and shape only
         results = compat.forward_results(self.tracing_ctx) if self.phase == "forward" else None
-        outs = E.output_nodes(self.eager_gm)
+        outs = output_nodes(self.eager_gm)
         self.bookkeeping = frozenset(range(results, len(outs))) if results is not None else frozenset()
         # of those, an attention kernel's state (its log-sum-exp, RNG seeds) is laid out by the
         # kernel's own convention (a row with every key masked: 0, -inf or its bias, per kernel),

@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import enn_backend
 from enn_backend import backend as backend_module
 from enn_backend import compat
+from enn_backend import fx_utils
 from enn_backend.guard import graph_edit as E
 from enn_backend.guard.ladder import FaultLadder
 from enn_backend.guard import runtime as R
@@ -216,7 +217,7 @@ def test_a_promoted_graph_writes_into_its_narrower_inputs(target):
 
     x, running = torch.randn(8, 4, dtype=torch.float16), torch.randn(4, dtype=torch.float16)
     gm = make_fx(torch.func.functionalize(step), tracing_mode="fake")(x, running)
-    assert E.mutated_input_indices(gm) == [1]
+    assert fx_utils.mutated_input_indices(gm) == [1]
     expected = running.clone()
     want = step(x, expected)
     got_running = running.clone()
@@ -256,7 +257,7 @@ def test_a_forwards_saved_integers_are_bookkeeping_its_results_are_not():
     torch.compile(f, backend="enn", options=ISOLATED)(x)[0].sum().backward()
     fwd = next(r for r in enn_backend.report().graphs if r.phase == "forward")
     compiler = _guard_of(fwd).compiler
-    outs = E.output_nodes(compiler.eager_gm)
+    outs = fx_utils.output_nodes(compiler.eager_gm)
     saved_ints = {i for i, n in enumerate(outs) if isinstance(n, torch.fx.Node)
                   and not n.meta["val"].is_floating_point() and i >= 2}
     assert saved_ints and saved_ints <= compiler.bookkeeping and not {0, 1} & compiler.bookkeeping

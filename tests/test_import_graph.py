@@ -112,14 +112,27 @@ def test_no_function_local_imports_of_enn_modules_beyond_the_known_ones():
 
 
 def test_passes_import_no_higher_layer():
-    """The passes depend on options, report, compat, custom ops and guard/graph_edit's helpers;
-    never on the backend, the compiler, the guard runtime, the caches or the tools."""
-    higher = ("enn_backend.backend", "enn_backend.graph_compiler", "enn_backend.aot_cache", "enn_backend.guard.runtime",
-              "enn_backend.guard.ladder", "enn_backend.guard.calls",
+    """The passes depend on options, report, compat, custom ops and the neutral FX helpers
+    (enn_backend.fx_utils); never on the guard, the backend, the compiler, the caches or the tools."""
+    higher = ("enn_backend.backend", "enn_backend.graph_compiler", "enn_backend.aot_cache", "enn_backend.guard",
               "enn_backend.debug", "enn_backend.bench", "enn_backend.demo", "enn_backend.cli")
     for m, deps in _edges().items():
         if m.startswith("enn_backend.passes"):
             bad = sorted(d for d in deps if d.startswith(higher))
+            assert not bad, f"{m} imports {bad}"
+
+
+def test_the_guard_and_the_passes_share_fx_helpers_through_a_neutral_module():
+    """The FX helpers both sides use live in enn_backend.fx_utils, which imports neither side (torch
+    and compat only); the guard imports no pass (and the passes no guard module: above)."""
+    edges = _edges()
+    deps = {i.module for i in sources.imports_of("enn_backend.fx_utils")}
+    assert deps <= {"enn_backend.compat"}, f"enn_backend.fx_utils imports {sorted(deps)}"
+    users = {m for m, d in edges.items() if "enn_backend.fx_utils" in d}
+    assert {"enn_backend.passes.fp32_tail", "enn_backend.guard.graph_edit", "enn_backend.guard.ladder"} <= users
+    for m, d in edges.items():
+        if m == "enn_backend.guard" or m.startswith("enn_backend.guard."):
+            bad = sorted(x for x in d if x == "enn_backend.passes" or x.startswith("enn_backend.passes."))
             assert not bad, f"{m} imports {bad}"
 
 

@@ -32,9 +32,9 @@ import torch
 import torch.fx as fx
 
 from .. import blame, compat
+from ..fx_utils import retarget_dtypes
 from ..graph_compiler import GraphCompiler
 from ..guard.faults import parse_fault_spec
-from ..guard.graph_edit import retarget_dtypes
 from ..guard.kernel_state import KernelState
 from ..guard.runtime import GuardedGraph
 from ..options import GuardMode, Options
@@ -83,13 +83,9 @@ def fp64_graph(gm: fx.GraphModule) -> fx.GraphModule:
     """Copy of ``gm`` in which every floating dtype argument names float64."""
     new = fx.GraphModule(gm, copy.deepcopy(gm.graph))
 
-    def up(x: Any) -> Any:
-        return retarget_dtypes(x, _FLOAT_DTYPES, torch.float64)
-
     for n in new.graph.nodes:
         if n.op == "call_function":
-            n.args = up(n.args)
-            n.kwargs = {k: up(v) for k, v in n.kwargs.items()}
+            retarget_dtypes(n, _FLOAT_DTYPES, torch.float64)
     new.recompile()
     return new
 

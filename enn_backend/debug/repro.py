@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from .. import __version__, blame
-from ..guard import graph_edit as E
+from ..fx_utils import mutated_input_indices
 from ..report import atomic_write_text
 from .inputs import clone_input, input_meta, regenerate
 
@@ -324,7 +324,7 @@ def write_repro(compiler: Any, *, kind: str, what: str, inputs: Sequence[Any] | 
         inputs = regenerate([_fake_meta(v) for v in fake])
     real = list(inputs)
     if snapshot is not None:
-        for i, saved in zip(E.mutated_input_indices(gm), snapshot):
+        for i, saved in zip(mutated_input_indices(gm), snapshot):
             real[i] = saved
     rec = compiler.record
     node_list = [n for n in nodes.split(",") if n and not n.startswith("<")]

@@ -59,9 +59,9 @@ import torch
 import torch.fx as fx
 
 from .. import compat
+from ..fx_utils import LOW_PRECISION, retarget_dtypes
 from ..report import Count, FallbackKind, report
 from .calls import LADDER, EnnGuardError, RngSnapshot, distributed, flat_args
-from .graph_edit import LOW_PRECISION, retarget_dtypes
 from .screen import compiled_is_worse, diverging, outputs
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,7 @@ def fp64_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
     for n in new.graph.nodes:
         if n.op not in ("call_function", "call_method") or "autocast" in str(n.target):
             continue
-        n.args = retarget_dtypes(n.args, narrower, torch.float64)
-        n.kwargs = {k: retarget_dtypes(v, narrower, torch.float64) for k, v in n.kwargs.items()}
+        retarget_dtypes(n, narrower, torch.float64)
         if n.op == "call_method" and n.target in ("half", "bfloat16", "float"):
             n.target = "double"
     new.recompile()

@@ -4,24 +4,22 @@
 - :func:`plant_faults`   insert ``enn::fault`` after nodes matching ENN_FAULT_INJECT
 - :func:`promote_to_fp32` run every fp16/bf16 computation of the graph in fp32, cast outputs back
 
-All three work on a copy and keep ``meta['val']`` current (Inductor lowers from it).
+All three work on a copy and keep ``meta['val']`` current (Inductor lowers from it). The
+generic FX helpers they use (values, outputs, copies, dtype retargeting) are ``enn_backend.fx_utils``.
 """
 
 from __future__ import annotations
 
-import copy
 import operator
 from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .. import compat
 from ..custom_ops import pinned as P
 from ..fault_spec import FaultSpec, target_names
+from ..fx_utils import CONVERT, copy_gm, fake_mode, refresh_all, retarget_dtypes, tensors_in, val, writes
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 # not kernels: a tuple's item, and the copy of a constant the graph holds (pinning it would hand
 # Inductor a real tensor where it traces with fake ones)
 _SKIP_TARGETS = {operator.getitem, torch.ops.aten.lift_fresh_copy.default}
@@ -29,18 +27,6 @@ _SKIP_TARGETS = {operator.getitem, torch.ops.aten.lift_fresh_copy.default}
 # event bookkeeping. They stay where they are: every rank must issue the same collectives in the
 # same order, and their order on the device is theirs.
 _NOT_KERNELS = frozenset({"_c10d_functional", "c10d_functional", "c10d", "_dtensor", "fsdp", "streams", "profiler"})
-
-
-def _val(n: Any) -> Any:
-    return n.meta.get("val") if isinstance(n, fx.Node) else None
-
-
-def _tensors_in(val: Any) -> list[torch.Tensor]:
-    if isinstance(val, torch.Tensor):
-        return [val]
-    if isinstance(val, (list, tuple)):
-        return [v for v in val if isinstance(v, torch.Tensor)]
-    return []
 
 
 def is_pinnable(n: fx.Node) -> bool:
@@ -58,14 +44,14 @@ def is_pinnable(n: fx.Node) -> bool:
         return False  # in-place / out= / view ops
     if not all(_is_tensors(r.type) for r in target._schema.returns):
         return False  # enn::pinned returns tensors only: not the SymInts of CUDA flash / cuDNN SDPA
-    val = _val(n)
-    if isinstance(val, (list, tuple)) and any(v is None for v in val):
+    v = val(n)
+    if isinstance(v, (list, tuple)) and any(x is None for x in v):
         # an undefined tensor among the results (SDPA's memory-efficient backward without a
         # bias): enn::pinned returns an empty one in its place, so no node may read it
-        undefined = {i for i, v in enumerate(val) if v is None}
+        undefined = {i for i, x in enumerate(v) if x is None}
         if any(u.target is not operator.getitem or (u.args[1] in undefined and u.users) for u in n.users):
             return False
-    return bool(_tensors_in(val))
+    return bool(tensors_in(v))
 
 
 def _is_tensors(t: Any) -> bool:
@@ -79,23 +65,6 @@ def candidate_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if is_pinnable(n)]
 
 
-def fake_mode_of(gm: fx.GraphModule) -> Any:
-    for n in gm.graph.nodes:
-        for t in _tensors_in(_val(n)):
-            mode = getattr(t, "fake_mode", None)
-            if mode is not None:
-                return mode
-    return None
-
-
-def copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
-    """A deep copy of ``gm``, graph and attributes. Inductor calls enn's inner compile with its
-    fake mode active; tensor constants the traced code made (transformers' masks hold a
-    ``torch.tensor(0.0)``) are real tensors and must be copied as such."""
-    with compat.real_tensor_mode():
-        return copy.deepcopy(gm)
-
-
 def for_eager_runs(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` as the guard runs it eagerly: every ``prims.convert_element_type`` inside a
     higher-order op's subgraph (a flex score_mod, its joint) written as ``aten._to_copy``, the same
@@ -105,11 +74,9 @@ def for_eager_runs(gm: fx.GraphModule) -> fx.GraphModule:
     vmap has no batching rule for the prim, and its per-element fallback turns one call at T=1024
     into minutes. Only the compiled graph keeps the prim: Inductor lowers no ``_to_copy`` there.
     """
-    convert = torch.ops.prims.convert_element_type.default
-
     def casts(m: fx.GraphModule) -> list[fx.Node]:
         return [n for sub in m.modules() if sub is not m and isinstance(sub, fx.GraphModule)
-                for n in sub.graph.find_nodes(op="call_function", target=convert)]
+                for n in sub.graph.find_nodes(op="call_function", target=CONVERT)]
 
     if not casts(gm):
         return gm
@@ -151,22 +118,22 @@ def pin_nodes(gm: fx.GraphModule, names: Iterable[str], reference: Iterable[str]
     if not names:
         return gm
     graph = gm.graph
-    mode = fake_mode_of(gm)
+    mode = fake_mode(gm.graph)
     for n in list(graph.nodes):
         if n.name not in names or not is_pinnable(n):
             continue
 
         def is_tensor(x: Any) -> bool:
-            return isinstance(x, fx.Node) and isinstance(_val(x), torch.Tensor)
+            return isinstance(x, fx.Node) and isinstance(val(x), torch.Tensor)
 
         def is_symint(x: Any) -> bool:
-            return isinstance(x, fx.Node) and isinstance(_val(x), torch.SymInt)
+            return isinstance(x, fx.Node) and isinstance(val(x), torch.SymInt)
 
         template, tensors, ints = P.encode_args(n.args, dict(n.kwargs), is_tensor, is_symint)
         spec = P.make_spec(n.target, template, reference=n.name in reference)
         with graph.inserting_before(n):
             p = graph.call_function(torch.ops.enn.pinned.default, (spec, tensors, ints))
-        fake_args = ([_val(t) for t in tensors], [_val(i) for i in ints])
+        fake_args = ([val(t) for t in tensors], [val(i) for i in ints])
         try:
             with mode:
                 p.meta["val"] = torch.ops.enn.pinned.default(spec, *fake_args)
@@ -174,7 +141,7 @@ def pin_nodes(gm: fx.GraphModule, names: Iterable[str], reference: Iterable[str]
             raise RuntimeError(f"enn: cannot pin {n.name} ({n.target}, args {n.args}): {type(exc).__name__}: {exc}") \
                 from exc
         p.meta["enn_pinned_from"] = n.name
-        if isinstance(_val(n), torch.Tensor):
+        if isinstance(val(n), torch.Tensor):
             with graph.inserting_after(p):
                 g = graph.call_function(operator.getitem, (p, 0))
             g.meta["val"] = p.meta["val"][0]
@@ -207,35 +174,19 @@ def plant_faults(
         spec = next((s for s in specs if s.matches_target(n.target)), None)
         if spec is None:
             continue
-        out = n if isinstance(_val(n), torch.Tensor) else next(
+        out = n if isinstance(val(n), torch.Tensor) else next(
             (u for u in n.users if u.target is operator.getitem and u.args[1] == 0), None
         )
-        if out is None or not _val(out).is_floating_point():
+        if out is None or not val(out).is_floating_point():
             continue
         with graph.inserting_after(out):
             f = graph.call_function(torch.ops.enn.fault.default, (out, spec.planted_kind(f"{phase}/{n.name}")))
-        f.meta["val"] = _val(out)
+        f.meta["val"] = val(out)
         out.replace_all_uses_with(f, delete_user_cb=lambda u: u is not f)
         planted.append(n.name)
     graph.lint()
     gm.recompile()
     return gm, planted
-
-
-def retarget_dtypes(x: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
-    """``x`` (a node argument, possibly nested lists/tuples) with every dtype in ``source``
-    replaced by ``target``: how a graph is moved to another compute precision."""
-    if isinstance(x, torch.dtype) and x in source:
-        return target
-    if isinstance(x, (list, tuple)):
-        return type(x)(retarget_dtypes(v, source, target) for v in x)
-    return x
-
-
-def has_low_precision(gm: fx.GraphModule) -> bool:
-    return any(
-        t.dtype in LOW_PRECISION for n in gm.graph.nodes for t in _tensors_in(_val(n))
-    )
 
 
 def promote_to_fp32(gm: fx.GraphModule) -> fx.GraphModule:
@@ -255,16 +206,13 @@ def promote(gm: fx.GraphModule, target: torch.dtype) -> fx.GraphModule:
     narrower = tuple(d for d in (torch.float16, torch.bfloat16, torch.float32) if d.itemsize < target.itemsize)
     gm = copy_gm(gm)
     graph = gm.graph
-    up = torch.ops.prims.convert_element_type.default
-
-    def fix(x: Any) -> Any:
-        return retarget_dtypes(x, narrower, target)
+    up = CONVERT
 
     out_node = next(n for n in graph.nodes if n.op == "output")
     copies: dict[fx.Node, fx.Node] = {}  # narrower placeholder -> its cast copy
     for n in list(graph.nodes):
         if n.op == "placeholder":
-            v = _val(n)
+            v = val(n)
             if isinstance(v, torch.Tensor) and v.dtype in narrower:
                 with graph.inserting_after(n):
                     c = graph.call_function(up, (n, target))
@@ -273,19 +221,18 @@ def promote(gm: fx.GraphModule, target: torch.dtype) -> fx.GraphModule:
         elif n.op == "call_function" and n is not out_node:
             if getattr(n.target, "_schema", None) is not None and n.target._schema.name == "aten::view" and len(n.args) == 2 and isinstance(n.args[1], torch.dtype):
                 continue  # a bitcast: its dtype is not a precision choice
-            n.args = fix(n.args)
-            n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+            retarget_dtypes(n, narrower, target)
 
     # what the graph wrote into a cast copy goes back into the input, rounded to its dtype
     for placeholder, c in copies.items():
-        if any(_writes(u, c) for u in c.users):
+        if any(writes(u, c) for u in c.users):
             with graph.inserting_before(out_node):
                 graph.call_function(torch.ops.aten.copy_.default, (placeholder, c))
 
     outs = out_node.args[0]
     new_outs = []
     for o in outs:
-        v = _val(o)
+        v = val(o)
         if isinstance(v, torch.Tensor) and v.dtype in narrower:
             with graph.inserting_before(out_node):
                 o = graph.call_function(up, (o, v.dtype))
@@ -293,30 +240,8 @@ def promote(gm: fx.GraphModule, target: torch.dtype) -> fx.GraphModule:
     out_node.args = (type(outs)(new_outs),)
     graph.lint()
     gm.recompile()
-    _refresh_meta(gm)
+    refresh_all(gm)
     return gm
-
-
-def _refresh_meta(gm: fx.GraphModule) -> None:
-    mode = fake_mode_of(gm)
-    if mode is None:
-        return
-    args = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
-
-
-def _writes(n: fx.Node, target: fx.Node) -> bool:
-    """``n`` writes into ``target`` (an argument its schema marks as written)."""
-    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
-        return False
-    return any(arg.alias_info is not None and arg.alias_info.is_write and a is target
-               for arg, a in zip(n.target._schema.arguments, n.args))
-
-
-def mutated_input_indices(gm: fx.GraphModule) -> list[int]:
-    """Indices of placeholders the graph writes into (``copy_`` epilogues of AOT)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return [i for i, p in enumerate(placeholders) if any(_writes(u, p) for u in p.users)]
 
 
 def has_random_ops(gm: fx.GraphModule) -> bool:
@@ -343,32 +268,6 @@ def _no_dropout(n: fx.Node) -> bool:
             p = n.args[i] if i < len(n.args) else n.kwargs.get("dropout_p", arg.default_value)
             return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
     return False
-
-
-def ancestors(gm: fx.GraphModule, outputs: Iterable[fx.Node]) -> set[str]:
-    seen: set[str] = set()
-    stack = [o for o in outputs if isinstance(o, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n.name in seen:
-            continue
-        seen.add(n.name)
-        stack.extend(n.all_input_nodes)
-    return seen
-
-
-def output_nodes(gm: fx.GraphModule) -> list[Any]:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-
-
-def result_nodes(gm: fx.GraphModule) -> list[Any]:
-    """A graph's results as the guard compares them: its outputs, then for each input it writes
-    (in :func:`mutated_input_indices` order) the node that writes it."""
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    writers = [next(u for u in placeholders[i].users if _writes(u, placeholders[i]))
-               for i in mutated_input_indices(gm)]
-    return output_nodes(gm) + writers
 
 
 def node_op_name(n: fx.Node) -> str:

@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 
 from .. import __version__
-from .graph_edit import _tensors_in, _val, node_op_name
+from ..fx_utils import tensors_in, val
+from .graph_edit import node_op_name
 
 ACTIONS = ("pinned", "fp32")
 ARTIFACT = "enn_kernel_state"  # the type of enn's kernel-state artifacts in torch.compiler's cache artifacts
@@ -114,7 +115,7 @@ def _bucket(dim: Any) -> str:
 
 
 def node_key(n: fx.Node) -> str | None:
-    ts = _tensors_in(_val(n))
+    ts = tensors_in(val(n))
     if not ts:
         return None
     t = ts[0]

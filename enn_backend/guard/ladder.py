@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from .. import blame
+from ..fx_utils import ancestors, has_low_precision, result_nodes
 from ..options import Options
 from ..report import Count, FallbackKind, GraphCounter, GraphRecord, report
 from . import graph_edit as E
@@ -142,7 +143,7 @@ class FaultLadder:
         """Indices of the results off the reference's at their dtype's tolerance (a kernel's saved
         state compared by layout, bookkeeping integers by dtype and shape)."""
         if self.low_precision is None:
-            self.low_precision = E.has_low_precision(self.compiler.eager_gm)
+            self.low_precision = has_low_precision(self.compiler.eager_gm)
         return diverging(got, ref, self.low_precision, self.compiler.bookkeeping, self.compiler.kernel_state)
 
     def compiled_is_wrong(self, call: Call, got: list, ref: list, off: list[int], ref64: list | None = None) -> bool:
@@ -328,9 +329,9 @@ class FaultLadder:
         if exc is not None:
             first, why = suspects_from_traceback(exc, gm), "that the raising kernel computes"
         elif bad:
-            outs = E.result_nodes(gm)
-            bad_cone = E.ancestors(gm, [outs[i] for i in bad if i < len(outs)])
-            good_cone = E.ancestors(gm, [o for i, o in enumerate(outs) if i not in bad])
+            outs = result_nodes(gm)
+            bad_cone = {n.name for n in ancestors(outs[i] for i in bad if i < len(outs))}
+            good_cone = {n.name for n in ancestors(o for i, o in enumerate(outs) if i not in bad)}
             cands = [n for n in cands if n.name in bad_cone] or cands
             first = frozenset(n.name for n in cands if n.name not in good_cone)
             why = "that feed the bad outputs alone"
@@ -345,7 +346,7 @@ class FaultLadder:
                              values: list[int]) -> Outcome:
         """The reference makes the compiled call's NaN/Inf too, at the same places."""
         rec, phase = self.record, self.record.phase
-        if E.has_low_precision(self.compiler.eager_gm) and self.opts.precision:
+        if has_low_precision(self.compiler.eager_gm) and self.opts.precision:
             fp32 = self._fp32_retry(what, call, bad)
             if fp32 is not None:
                 return fp32

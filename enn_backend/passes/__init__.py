@@ -1,7 +1,7 @@
 """enn's FX passes: one pattern family per module, run in one fixed order (:data:`PASS_ORDER`).
 
-How passes run (EnnPass, PassContext, PassManager, the FX-cache uuid): manager.py. Shared FX
-helpers: fx_utils.py. The graph invariants every pass keeps: README.md.
+How passes run (EnnPass, PassContext, PassManager, the FX-cache uuid): manager.py. FX helpers
+shared with the guard: enn_backend/fx_utils.py. The graph invariants every pass keeps: README.md.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from enn_backend.custom_ops import gemm as G
 from .. import compat
 from ..registry import Measurement, cache_for
 from ..report import FallbackKind
-from .fx_utils import VIEWS, ancestors, insert, is_call, val
+from ..fx_utils import VIEWS, ancestors, insert, is_call, val
 from .manager import EnnPass, PassContext
 
 log = logging.getLogger(__name__)

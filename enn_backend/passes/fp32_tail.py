@@ -30,11 +30,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..guard.graph_edit import retarget_dtypes
 from ..report import FallbackKind
-from .fx_utils import CONVERT, ancestors, fake_mode, insert, refresh, tensor_dtype, val
+from ..fx_utils import CONVERT, LOW_PRECISION, ancestors, fake_mode, insert, refresh, retarget_dtypes, tensor_dtype, val
 from .manager import EnnPass, PassContext
-from .precision import LOW_PRECISION, is_pointwise, is_view
+from .precision import is_pointwise, is_view
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -171,9 +170,6 @@ class Fp32TailPass(EnnPass):
 
     @staticmethod
     def _rewrite(graph: fx.Graph, tail: set[fx.Node], start: fx.Node, logits: fx.Node, mode: Any) -> None:
-        def fix(x: Any) -> Any:
-            return retarget_dtypes(x, LOW_PRECISION, torch.float32)
-
         low = tensor_dtype(logits)
         if tensor_dtype(start) in LOW_PRECISION:
             up = insert(graph, CONVERT, (start, torch.float32), after=start, mode=mode)
@@ -183,8 +179,7 @@ class Fp32TailPass(EnnPass):
         for n in graph.nodes:  # graph order is topological
             if n not in tail:
                 continue
-            n.args = fix(n.args)
-            n.kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+            retarget_dtypes(n, LOW_PRECISION, torch.float32)
             refresh(n, mode)
         outside = [u for u in logits.users if u.op != "output" and u not in tail]
         if outside:

@@ -55,7 +55,7 @@ from enn_backend.custom_ops import fp8 as F8
 
 from .. import blame, compat
 from ..report import FallbackKind
-from .fx_utils import insert, is_call, val
+from ..fx_utils import insert, is_call, val
 from .manager import EnnPass, PassContext
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from .. import blame
 from ..custom_ops.gemm import GemmKernel, problem_of, select_kernel
 from ..custom_ops.pinned import EMITTED, encode_args, make_spec
 from ..nvtx import range_name
-from .fx_utils import insert, val
+from ..fx_utils import insert, val
 from .manager import EnnPass, PassContext
 
 log = logging.getLogger(__name__)

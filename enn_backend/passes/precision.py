@@ -41,13 +41,12 @@ import torch
 import torch.fx as fx
 
 from .. import compat
-from .fx_utils import CONVERT, fake_mode, insert, refresh, tensor_dtype, val
+from ..fx_utils import CONVERT, LOW_PRECISION, fake_mode, insert, refresh, tensor_dtype, val
 from .manager import EnnPass, PassContext
 
 log = logging.getLogger(__name__)
 
 aten, prims = torch.ops.aten, torch.ops.prims
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 FP16_SUM_LIMIT = 1024  # fp16 sums over at least this many elements are promoted
 
 _SUMS = {aten.sum.dim_IntList, aten.sum.default, aten.cumsum.default}

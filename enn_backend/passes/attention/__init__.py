@@ -25,7 +25,7 @@ from ... import compat
 from ... import custom_ops  # noqa: F401  (registers the enn ops the pass emits)
 from ...custom_ops.attention import Backend
 from ...report import FallbackKind
-from ..fx_utils import fake_mode, is_call
+from ...fx_utils import fake_mode, is_call
 from ..manager import EnnPass, PassContext, current_module_state
 from .match import Skip, Unread, match_at
 from .plan import Plan, plan_site

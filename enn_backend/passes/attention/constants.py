@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ... import compat
-from ..fx_utils import graph_order, is_call, val
+from ...fx_utils import graph_order, is_call, val
 from ..manager import ModuleState
 
 log = logging.getLogger(__name__)

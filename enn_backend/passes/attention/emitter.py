@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ...custom_ops.pinned import EMITTED
-from ..fx_utils import CONVERT, insert, shape, tensor_dtype
+from ...fx_utils import CONVERT, insert, shape, tensor_dtype
 
 aten = torch.ops.aten
 

@@ -35,7 +35,7 @@ import torch
 import torch.fx as fx
 
 from ...custom_ops.attention import SATURATED, SATURATED_FLOOR, floors_saturated
-from ..fx_utils import shape, tensor_dtype, val
+from ...fx_utils import shape, tensor_dtype, val
 from ..manager import ModuleState
 from .emitter import Emitter
 from .constants import Dims

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from ... import compat
 from ...custom_ops.attention import SATURATED
-from ..fx_utils import is_call, shape
+from ...fx_utils import is_call, shape
 from ..manager import ModuleState
 from .constants import PROBES, Constants, Dims, constant_band
 from .match import BiasTerm, MaskTerm

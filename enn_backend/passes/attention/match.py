@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 import torch.fx as fx
 
-from ..fx_utils import CONVERT, VIEWS, is_call, shape, val
+from ...fx_utils import CONVERT, VIEWS, is_call, shape, val
 from .softmax import softmax_input, softmax_of
 
 aten = torch.ops.aten

@@ -17,7 +17,7 @@ import torch.fx as fx
 from ... import compat
 from ...custom_ops.attention import Backend
 from ...options import Options
-from ..fx_utils import shape, val
+from ...fx_utils import shape, val
 from ..manager import current_module_state
 from .key_padding import KeyPadding, take
 from .kernels import EnnOpKernel, Kernel, kernel_for

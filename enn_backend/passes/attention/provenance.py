@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ... import compat
 from ...custom_ops.attention import SATURATED
-from ..fx_utils import CONVERT, VIEWS, is_call, shape, tensor_dtype, val
+from ...fx_utils import CONVERT, VIEWS, is_call, shape, tensor_dtype, val
 from ..manager import ModuleState
 from .constants import Constants, Dims, band_of
 from .match import _fill, scalar

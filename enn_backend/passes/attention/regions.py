@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from ... import blame
-from ..fx_utils import CONVERT, VIEWS, ancestors, graph_order, is_call, shape, val
+from ...fx_utils import CONVERT, VIEWS, ancestors, graph_order, is_call, shape, val
 from .match import Match, Skip, skip_views
 
 aten = torch.ops.aten

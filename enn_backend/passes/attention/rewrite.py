@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..fx_utils import follow_layout, is_call, shape, tensor_dtype
+from ...fx_utils import follow_layout, is_call, shape, tensor_dtype
 from .emitter import Emitter, Operands
 from .key_padding import aligned, padding_bias
 from .plan import Plan

@@ -38,7 +38,7 @@ import torch.fx as fx
 
 from ...custom_ops.attention import Backend
 from ...custom_ops.pinned import EMITTED
-from ..fx_utils import is_call, shape
+from ...fx_utils import is_call, shape
 from ..manager import PassContext, current_module_state
 from .emitter import Emitter
 from .constants import Dims

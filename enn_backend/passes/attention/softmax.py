@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..fx_utils import is_call, shape, val
+from ...fx_utils import is_call, shape, val
 
 aten = torch.ops.aten
 

@@ -30,7 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .... import compat
 from ....custom_ops.attention import band_mask_mod
-from ...fx_utils import tensor_dtype, val
+from ....fx_utils import tensor_dtype, val
 from ...manager import EnnPass, PassContext
 from ..emitter import Emitter, Operands
 from ..problem import AttentionProblem

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .... import compat
 from ....custom_ops.attention import SATURATED, SATURATED_FLOOR, Backend, floors_saturated
-from ...fx_utils import is_call, shape, tensor_dtype, val
+from ....fx_utils import is_call, shape, tensor_dtype, val
 from ..emitter import Emitter, Operands
 from ..key_padding import DeadRows
 from ..problem import AttentionProblem

@@ -1,18 +1,28 @@
-"""FX helpers shared by enn's passes: a node's value, shape and dtype, op tests, the graph's fake
-mode, ancestor walks, and inserting a node with its metadata.
+"""FX helpers that enn's passes, its guard, its compiler and its debug tools share: a node's
+value, shape and dtype, op tests, the graph's fake mode, ancestor walks, inserting a node with its
+metadata, copying a graph module, its outputs and the inputs it writes, and moving a graph to
+another dtype.
 
-A pass sees post-decomposition ATen graphs whose nodes carry ``meta["val"]`` (a FakeTensor, a
-SymInt, or a tuple of them). A node a pass creates must get one too: :func:`insert` computes it
-by running the op on the inputs' values inside the graph's fake mode.
+Neutral: it imports torch and ``compat`` only, never a pass or the guard (tests/test_import_graph.py).
+What is one side's business stays there: pinning nodes and planting faults in
+``guard/graph_edit.py``, pattern matching in ``passes/``.
+
+The graphs are ATen graphs whose nodes carry ``meta["val"]`` (a FakeTensor, a SymInt, or a tuple
+of them). A node a pass creates must get one too: :func:`insert` computes it by running the op on
+the inputs' values inside the graph's fake mode.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from . import compat
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -20,6 +30,7 @@ prims = torch.ops.prims
 # Shape-only ops: the value is the input's, seen through another shape (or as is: alias).
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.alias.default})
 CONVERT = prims.convert_element_type.default
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def val(n: Any) -> Any:
@@ -36,6 +47,15 @@ def shape(n: Any) -> Optional[tuple]:
 def tensor_dtype(n: Any) -> Optional[torch.dtype]:
     v = val(n)
     return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def tensors_in(v: Any) -> list[torch.Tensor]:
+    """The tensors of a value: itself, or the tensor items of a list / tuple."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for t in v if isinstance(t, torch.Tensor)]
+    return []
 
 
 def is_call(n: Any, *targets: Any) -> bool:
@@ -55,10 +75,11 @@ def fake_mode(graph: fx.Graph) -> Any:
 
 
 def ancestors(roots: Iterable[fx.Node], within: Optional[Callable[[fx.Node], bool]] = None) -> set[fx.Node]:
-    """``roots`` and every node they depend on. With ``within``, a node for which it is false is
-    neither included nor walked through."""
+    """``roots`` and every node they depend on (a root that is no node, a graph output's ``None``,
+    is skipped). With ``within``, a node for which it is false is neither included nor walked
+    through."""
     seen: set[fx.Node] = set()
-    stack = list(roots)
+    stack = [r for r in roots if isinstance(r, fx.Node)]
     while stack:
         n = stack.pop()
         if n in seen or (within is not None and not within(n)):
@@ -133,3 +154,72 @@ def follow_layout(n: fx.Node, mode: Any) -> list[fx.Node]:
         if _layout(val(u)) != _layout(old):
             stack.extend(u.users)
     return reshaped
+
+
+# ----------------------------------------------------------------------------- graph modules
+def copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of ``gm``, graph and attributes. Inductor calls enn's inner compile with its
+    fake mode active; tensor constants the traced code made (transformers' masks hold a
+    ``torch.tensor(0.0)``) are real tensors and must be copied as such."""
+    with compat.real_tensor_mode():
+        return copy.deepcopy(gm)
+
+
+def refresh_all(gm: fx.GraphModule) -> None:
+    """Recompute every node's ``meta["val"]`` from the placeholders' values, in the graph's fake
+    mode (nothing for a graph without fake values)."""
+    mode = fake_mode(gm.graph)
+    if mode is None:
+        return
+    args = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)
+
+
+def has_low_precision(gm: fx.GraphModule) -> bool:
+    """Does a value of the graph have an fp16 / bf16 tensor?"""
+    return any(t.dtype in LOW_PRECISION for n in gm.graph.nodes for t in tensors_in(val(n)))
+
+
+def _retargeted(x: Any, source: tuple[torch.dtype, ...], target: torch.dtype) -> Any:
+    if isinstance(x, torch.dtype) and x in source:
+        return target
+    if isinstance(x, (list, tuple)):
+        return type(x)(_retargeted(v, source, target) for v in x)
+    return x
+
+
+def retarget_dtypes(n: fx.Node, source: tuple[torch.dtype, ...], target: torch.dtype) -> None:
+    """Every dtype in ``source`` among ``n``'s arguments (nested lists / tuples too) replaced by
+    ``target``: how a graph is moved to another compute precision. ``meta["val"]`` is not
+    refreshed."""
+    n.args = _retargeted(n.args, source, target)
+    n.kwargs = {k: _retargeted(v, source, target) for k, v in n.kwargs.items()}
+
+
+def writes(n: fx.Node, target: fx.Node) -> bool:
+    """``n`` writes into ``target`` (an argument its schema marks as written)."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return False
+    return any(arg.alias_info is not None and arg.alias_info.is_write and a is target
+               for arg, a in zip(n.target._schema.arguments, n.args))
+
+
+def mutated_input_indices(gm: fx.GraphModule) -> list[int]:
+    """Indices of placeholders the graph writes into (``copy_`` epilogues of AOT)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [i for i, p in enumerate(placeholders) if any(writes(u, p) for u in p.users)]
+
+
+def output_nodes(gm: fx.GraphModule) -> list[Any]:
+    """The graph's outputs (nodes, or ``None`` and constants where the graph returns them)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+
+
+def result_nodes(gm: fx.GraphModule) -> list[Any]:
+    """A graph's results as the guard compares them: its outputs, then for each input it writes
+    (in :func:`mutated_input_indices` order) the node that writes it."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    writers = [next(u for u in placeholders[i].users if writes(u, placeholders[i]))
+               for i in mutated_input_indices(gm)]
+    return output_nodes(gm) + writers
