@@ -63,6 +63,7 @@ class GraphCounter(str, enum.Enum):
     CHECKS = "checks"  # calls whose results were screened
     VALUE_CHECKS = "value_checks"  # calls compared with the eager reference
     VALUE_REFERENCE_OUTLIER = "value_reference_outlier"  # a disagreement where eager was the outlier
+    VALUE_CHECKS_UNJUDGED = "value_checks_unjudged"  # value checks whose eager reference raised (logged)
     EAGER_RERUNS = "eager_reruns"  # eager re-runs after a fault
     FAULTS = "faults"  # faults of the compiled code
     MODEL_NONFINITE = "model_nonfinite"  # NaN/Inf that eager makes too

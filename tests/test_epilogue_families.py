@@ -113,6 +113,25 @@ def test_a_residual_add_without_bias_becomes_addmm_with_the_residual_as_c():
     run.check_eager(atol=1e-5, rtol=1e-5)
 
 
+def test_a_residual_site_under_dynamic_shapes_is_judged_by_its_value_checks():
+    """Compiled with dynamic shapes, the residual's 2-D view must not name a symbolic row count:
+    the value check's eager reference runs the graph as Python code, where no symbol is bound."""
+    from enn_backend.report import GraphCounter
+
+    model = Residual(bias=False)
+    compiled = torch.compile(model, backend="enn", dynamic=True)
+    for rows in (2, 3):
+        x = torch.randn(rows, 5, 16, requires_grad=True)
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-5)
+        out.sum().backward()
+    graphs = enn_backend.report().graphs
+    assert any(c.get("act") == "residual" and c["choice"] == "addmm" for g in graphs for c in g.kernel_choices)
+    assert sum(g.counters.get(GraphCounter.VALUE_CHECKS.value, 0) for g in graphs) > 0
+    assert all(g.counters.get(GraphCounter.VALUE_CHECKS_UNJUDGED.value, 0) == 0 for g in graphs), \
+        [(g.id, g.counters) for g in graphs]
+
+
 def test_a_residual_add_with_bias_stays_unfused_by_the_rules():
     run = run_passes(Residual(bias=True), (torch.randn(4, 16),), ["epilogue"], training=False)
     assert count_ops(run.after, enn.gemm_residual) == 0

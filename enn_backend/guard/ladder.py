@@ -190,6 +190,7 @@ class FaultLadder:
         self.full_compiler("a value check")
         ref = self.reference(call)
         if ref.exc is not None:
+            rec.bump(GraphCounter.VALUE_CHECKS_UNJUDGED)
             log.warning("enn: graph %s: the value check's eager run raised (%s: %s); compiled result kept",
                         rec.id, type(ref.exc).__name__, ref.exc)
             return Outcome(out)

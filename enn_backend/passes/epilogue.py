@@ -327,6 +327,13 @@ class EpiloguePass(EnnPass):
         return Measurement(budget, cache_for(self.opts)) if budget > 0 else None
 
 
+def _rows_by(size: Any) -> list[Any]:
+    """A 2-D view's size ``[rows, cols]`` with the rows left to the view (-1) where the columns are
+    a number."""
+    rows, cols = size
+    return [-1, cols] if isinstance(cols, int) else [rows, cols]
+
+
 def rewrite(graph: fx.Graph, m: Match, kernel: str = "") -> fx.Node:
     """Replace the chain GEMM..out by ``enn::gemm_bias_act`` / ``enn::gemm_residual`` running
     ``kernel`` (+ the view back)."""
@@ -348,7 +355,8 @@ def rewrite(graph: fx.Graph, m: Match, kernel: str = "") -> fx.Node:
         residual = m.residual
         if src.view_size is not None:  # the residual as the 2-D GEMM output it is added to
             flat = aten.view.default if val(residual).is_contiguous() else aten.reshape.default
-            residual = insert(graph, flat, (residual, list(val(src.gemm).shape)), before=out, mode=mode)
+            # rows as -1: a symbolic row count would print as a symbol (s27) no eager run of the graph binds
+            residual = insert(graph, flat, (residual, _rows_by(val(src.gemm).shape)), before=out, mode=mode)
         new = insert(graph, torch.ops.enn.gemm_residual.default, (src.x, weight, src.bias, residual, kernel),
                      before=out, mode=mode, meta=meta)
     else:
