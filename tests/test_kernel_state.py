@@ -320,6 +320,18 @@ def test_state_list_and_clear(tmp_path, capsys):
     assert "no kernel state in" in capsys.readouterr().out
 
 
+def test_the_clear_commands_state_list_prints_work_when_pasted(tmp_path, capsys):
+    folder = tmp_path / "a folder"  # a space: the printed commands must quote it
+    folder.mkdir()
+    _write_state(folder, [_entry(KEY, age_s=60.0), _entry(KEY2, age_s=120.0)])
+    assert cli.main(["state", "list", "--cache-dir", str(folder)]) == 0
+    hint = capsys.readouterr().out.split("Clear: ")[1].splitlines()[0]
+    every, one = hint.removesuffix(")").split(" (one kernel: ")
+    assert shlex.split(one)[-2:] == ["--key", KEY]  # the most recent fault
+    assert cli.main(shlex.split(one)[3:]) == 0 and set(_on_disk(folder)) == {KEY2}
+    assert cli.main(shlex.split(every)[3:]) == 0 and _on_disk(folder) == {}
+
+
 def test_state_cli_errors(tmp_path, capsys):
     for argv in (["state"], ["state", "list", "--bogus"], ["state", "drop"]):
         with pytest.raises(SystemExit) as exc:

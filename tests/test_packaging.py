@@ -33,8 +33,20 @@ _NO_IMPORT_SCRIPT = textwrap.dedent(
 )
 
 
+def _build_outputs() -> dict[str, int]:
+    """What setuptools writes beside the sources it builds, in the checkout: build/, dist/ and
+    *.egg-info/, each file and folder with its modification time."""
+    tops = [ROOT / "build", ROOT / "dist", *ROOT.glob("*.egg-info")]
+    return {str(p): p.stat().st_mtime_ns for top in tops if top.exists() for p in (top, *top.rglob("*"))}
+
+
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def checkout_before_the_build() -> dict[str, int]:
+    return _build_outputs()
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory, checkout_before_the_build) -> Path:
     out = tmp_path_factory.mktemp("dist")
     # built from a copy of the sources: setuptools writes its build/ folder beside the sources it
     # builds, and the suite leaves nothing in the checkout
@@ -45,6 +57,12 @@ def wheel(tmp_path_factory) -> Path:
                    check=True, capture_output=True, timeout=600)
     (whl,) = out.glob("enn_backend-*.whl")
     return whl
+
+
+def test_building_the_wheel_leaves_nothing_in_the_checkout(wheel, checkout_before_the_build):
+    """The suite builds the wheel from a copy: no build/ folder (nor a rewritten egg-info) is left
+    in the checkout, which a user's `git status` would show after running the tests."""
+    assert _build_outputs() == checkout_before_the_build
 
 
 def test_wheel_has_only_enn_backend_at_top_level(wheel):

@@ -8,6 +8,7 @@ import enum
 import json
 import logging
 import os
+import shlex
 
 import pytest
 import torch
@@ -277,6 +278,16 @@ def test_cli_lists_and_clears(tmp_path, capsys):
     assert cli(["registry", "clear", "--cache-dir", str(tmp_path)]) == 0
     assert cli(["registry", "list", "--cache-dir", str(tmp_path)]) == 0
     assert "no kernel choices" in capsys.readouterr().out
+
+
+def test_the_clear_command_registry_list_prints_works_when_pasted(tmp_path, capsys):
+    folder = tmp_path / "a folder"  # a space: the printed command must quote it
+    path = str(folder / C.FILE_NAME)
+    C.ChoiceCache(path).put(_entry())
+    assert cli(["registry", "list", "--cache-dir", str(folder)]) == 0
+    command = shlex.split(capsys.readouterr().out.split("Clear: ")[1].splitlines()[0])
+    assert command[:4] == ["python", "-m", "enn_backend", "registry"]
+    assert cli(command[3:]) == 0 and C.ChoiceCache(path).entries() == []
 
 
 def test_choices_travel_in_torch_compilers_cache_artifacts(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -67,5 +68,5 @@ def main(argv: list[str]) -> int:
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
     print(f"{len(entries)} choice{'' if len(entries) == 1 else 's'}. Clear: python -m enn_backend registry clear"
-          + (f" --cache-dir {folder}" if args.cache_dir else ""))
+          + (f" --cache-dir {shlex.quote(folder)}" if args.cache_dir else ""))
     return 0
