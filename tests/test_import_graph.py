@@ -191,7 +191,9 @@ def test_private_torch_imports_live_in_compat():
         if found:
             bad[m] = found
     assert not bad, f"private torch imports outside enn_backend.compat: {bad}"
-    assert "torch._inductor.compile_fx.compile_fx" in _private_torch_imports(sources.module_file("enn_backend.compat.inductor"))
+    # the reader sees compat's own private imports (a module, and a name from one)
+    found = _private_torch_imports(sources.module_file("enn_backend.compat.inductor"))
+    assert {"torch._inductor.config", "torch._inductor.compile_fx.compile_fx_inner"} <= set(found), found
 
 
 # Modules that read what the report recorded, and why: the report is enn's output, and nothing
