@@ -108,3 +108,49 @@ def test_policy_runs_a_causal_key_padding_site_as_cudnn_then_memory_efficient():
     assert choose(problem(**padded, window=64)).backend == "inductor"
     assert choose(problem(has_bias=True, bias_finite=True)).backend == "efficient"  # any other bias: not cuDNN
     assert NATIVE[Backend.CUDNN].takes_bias
+
+
+def test_the_attention_pass_hands_its_measurement_to_the_choice(tmp_path, monkeypatch):
+    """With ``measure_ms`` the attention pass asks the registry to time the site's eligible kernels
+    (on this CPU only ATen's flash kernel runs alone, so the timing itself is the GPU test below);
+    without, it asks for the rules' choice."""
+    import torch
+
+    from attention_cases import causal_tril
+    from enn_backend.passes.attention import plan
+    from pass_harness import run_passes
+
+    monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path))
+    asked = []
+
+    def spy(*args, measurement=None, **kwargs):
+        asked.append(measurement)
+        return choose(*args, measurement=measurement, **kwargs)
+
+    monkeypatch.setattr(plan, "choose", spy)
+    q, k, v = (torch.randn(1, 2, 96, 16) for _ in range(3))
+    run_passes(causal_tril, (q, k, v), ["attention"], training=False, options={"measure_ms": 10})
+    run_passes(causal_tril, (q, k, v), ["attention"], training=False)
+    measured, rules = asked
+    assert measured.budget_ms == 10 and measured.cache.path.startswith(str(tmp_path))
+    assert rules is None
+
+
+@pytest.mark.gpu
+def test_an_attention_site_is_measured_on_cuda(tmp_path, monkeypatch):
+    """On CUDA the SDPA kernels of a causal bf16 attention are timed on the site's shapes; the
+    times are reported with the choice and cached: the next compile takes it without timing."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from attention_cases import causal_tril
+    from pass_harness import run_passes
+
+    monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path))
+    q, k, v = (torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    runs = [run_passes(causal_tril, (q, k, v), ["attention"], training=False, options={"measure_ms": 20})
+            for _ in range(2)]
+    first, again = ([c for c in r.choices if c.get("how")] for r in runs)
+    assert [c["how"] for c in first] == ["measured"] and len(first[0]["timings_ms"]) >= 2, first
+    assert [c["how"] for c in again] == ["cached"], again

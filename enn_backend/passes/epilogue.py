@@ -51,7 +51,7 @@ import torch.fx as fx
 from enn_backend.custom_ops import gemm as G
 
 from .. import compat
-from ..registry import Measurement, cache_for
+from ..registry import Measurement
 from ..report import FallbackKind
 from ..fx_utils import VIEWS, ancestors, insert, is_call, val
 from .manager import EnnPass, PassContext
@@ -323,8 +323,7 @@ class EpiloguePass(EnnPass):
             layout=G.layout_of(xv, wv.t()))
 
     def measurement(self) -> Measurement | None:
-        budget = self.opts.measure_budget_ms()
-        return Measurement(budget, cache_for(self.opts)) if budget > 0 else None
+        return Measurement.of(self.opts)
 
 
 def _rows_by(size: Any) -> list[Any]:

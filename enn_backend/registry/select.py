@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Generic, Mapping, Optional, Sequence, TypeVar
 
 from . import measure as M
-from .cache import ChoiceCache, make_entry
+from .cache import ChoiceCache, cache_for, make_entry
 from .key import ChoiceKey
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,13 @@ class Measurement:
 
     budget_ms: float
     cache: Optional[ChoiceCache] = None
+
+    @classmethod
+    def of(cls, opts: Any) -> Optional["Measurement"]:
+        """The measurement ``opts`` asks for (``measure_ms``, or max-autotune's budget), with its
+        choice cache; None where it asks for rules only."""
+        budget = opts.measure_budget_ms()
+        return cls(budget, cache_for(opts)) if budget > 0 else None
 
 
 def verdicts(policy: Policy, p: Any, order: Sequence[Any]) -> list[Verdict]:

@@ -90,6 +90,7 @@ class AttentionPass(EnnPass):
             ctx.fallback(FallbackKind.KERNEL_CHOICE, [out], reason=choice.forced_failed,
                          action=f"using {choice.backend} ({choice.reason})", level=logging.WARNING)
         tensors = {"mask_tensor": plan.provenance} if plan.provenance else {}
+        tensors.update(choice.measured())
         if choice.backend is Backend.INDUCTOR:
             ctx.kernel_choice(out, choice.backend.value, choice.reason, fused=False, **tensors)
             return 0

@@ -17,6 +17,7 @@ import torch.fx as fx
 from ... import compat
 from ...custom_ops.attention import Backend
 from ...options import Options
+from ...registry import Measurement
 from ...fx_utils import shape, val
 from ..manager import current_module_state
 from .key_padding import KeyPadding, take
@@ -147,7 +148,8 @@ def plan_site(graph: fx.Graph, m: Match, opts: Options) -> Plan:
         raise Skip("ALiBi slopes that need a gradient")
     bias_grad = any(i >= 3 for i in grads)
     problem = _problem(m, k, v, st, bias_grad, bool(grads), padding is not None)
-    choice = choose(problem, opts.attention_backend, opts.attention_order)
+    # with measurement on (measure_ms, max-autotune), eligible SDPA kernels are timed on the site's shapes
+    choice = choose(problem, opts.attention_backend, opts.attention_order, measurement=Measurement.of(opts))
     bias_shape = _bias_shape(st, m.three_d)
     kernel = kernel_for(choice.backend, problem, bias_shape[-1] if bias_shape else None)
     refusal = "" if choice.backend is Backend.INDUCTOR else _refusal(m, st, choice.backend, v, kernel)

@@ -182,6 +182,11 @@ class Choice:
     reason: str
     forced_failed: str = ""  # the forced/preferred backend that was impossible, and why
     how: str = "rule"  # rule | measured | cached | fallback (the registry's Selection.how)
+    timings_ms: tuple[tuple[str, float], ...] = ()  # measured or cached: each timed kernel's ms
+
+    def measured(self) -> dict[str, Any]:
+        """What a kernel choice records of a measurement: how the choice was made, the times."""
+        return {"how": self.how, "timings_ms": dict(self.timings_ms)} if self.how in ("measured", "cached") else {}
 
 
 def choose(p: AttentionProblem, backend: str = "auto", order: str = "",
@@ -203,4 +208,4 @@ def choose(p: AttentionProblem, backend: str = "auto", order: str = "",
         named = {b.value for b in preferred}
         refused = next((v for v in s.verdicts if v.kernel in named and not v.eligible), None)
         failed = f"{backend} impossible: {refused.reason}" if refused is not None else ""
-    return Choice(s.kernel, s.reason, failed, s.how)
+    return Choice(s.kernel, s.reason, failed, s.how, tuple(sorted(s.timings_ms.items())))
