@@ -197,3 +197,31 @@ def test_the_cpp_wrapper_goes_to_host_bound_graphs_only(monkeypatch):
     assert CompilePhase.CPP_WRAPPER.value not in g_large.compile_phases
     text = format_report(enn_backend.report().to_dict())
     assert "build choices:" in text and "cpp_wrapper=False (not host-bound" in text
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_gpu_bound_unit_is_built_as_inductor_builds_it(monkeypatch):
+    """CUDA, enn's defaults: a training step of one large GEMM is GPU-bound, so its forward and
+    backward are built with the Python wrapper and Inductor's own config (no kernel binaries kept
+    for a C++ wrapper), the backward when AOT Autograd asks (not on its first call); a step of a
+    few small kernels is host-bound and gets the C++ wrapper. Values equal eager's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    seen: list[tuple[bool, bool]] = []
+    inner = compat.compile_fx_inner
+
+    def spy(gm, example_inputs, **kwargs):
+        seen.append((bool(kwargs.get("cpp_wrapper")), compat.inductor_config.triton.store_cubin))
+        return inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compat, "compile_fx_inner", spy)
+    for size, rows, host_bound in ((4096, 8192, False), (8, 4, True)):
+        torch._dynamo.reset()
+        seen.clear()
+        model = torch.nn.Linear(size, size, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(rows, size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = torch.compile(model, backend="enn")(x)
+        out.float().sum().backward()
+        torch.testing.assert_close(out, model(x))
+        want_cubin = True if host_bound else compat.inductor_config.triton.store_cubin
+        assert seen and all(s == (host_bound, want_cubin) for s in seen), (size, seen)
