@@ -45,6 +45,7 @@ import torch.fx as fx
 from . import compat, compile_time
 from .aot_sidecar import (FALLBACK_FIELDS, FORMAT, PHASES, RECORD_FIELDS, REPLAYED, VERSION, read_sidecar,
                           sidecar_path, write_sidecar)
+from .cudagraph_cap import capped
 from .debug.log import log_compiled_graph
 from .graph_compiler import GraphCompiler
 from .guard import graph_edit as E
@@ -216,9 +217,11 @@ class WarmStart:
             setattr(rec, f, copy.deepcopy(meta["record"][f]))
         rec.from_cache = True
         compile_time.graph_loaded(rec)  # the unit's (warm) compile time is this graph's
+        facts = CachedGraph(self, meta, rec)
+        runs = capped(compiled, facts, rec, self.opts)  # under CUDA graphs: enn_backend.cudagraph_cap
         if not self.opts.guard.guarded:
-            return compiled
-        return compile_time.FirstCallClock.arm(GuardedGraph(CachedGraph(self, meta, rec), compiled, rec))
+            return runs
+        return compile_time.FirstCallClock.arm(GuardedGraph(facts, runs, rec))
 
     # ------------------------------------------------------------ the graphs, when the guard needs them
     def traced(self, phase: str, expected_key: str, record: GraphRecord) -> Any:

@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from . import compat, compile_time
 from .aot_cache import WarmStart, content_digest, offer
+from .cudagraph_cap import capped
 from .debug.log import log_compiled_graph
 from .decompositions import decomposition_table
 from .graph_compiler import GraphCompiler, compile_fx_defaults
@@ -158,9 +159,11 @@ def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_spe
             built.append(compiler)
             bind(compiler.record)
             log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)
+            # under CUDA graphs, at most opts.cudagraph_max_shapes input sizes recorded (cudagraph_cap)
+            runs = capped(compiled, compiler, compiler.record, opts, example_inputs)
             # the guard's first call is timed (compile_time.FirstCallClock)
-            returned = (compile_time.FirstCallClock.arm(GuardedGraph(compiler, compiled, compiler.record))
-                        if opts.guard.guarded else compiled)
+            returned = (compile_time.FirstCallClock.arm(GuardedGraph(compiler, runs, compiler.record))
+                        if opts.guard.guarded else runs)
             return offer(compiler, compiled, returned)
 
     return inner_compile

@@ -301,6 +301,14 @@ class Options:
             choices=COMPILE_MODES,
         ),
     )
+    cudagraph_max_shapes: int = field(
+        default=8,
+        metadata=_meta(
+            "ENN_CUDAGRAPH_MAX_SHAPES",
+            "Under CUDA graphs (mode='reduce-overhead'), most distinct input sizes one compiled graph records (Inductor records one CUDA graph per size of a graph with dynamic shapes); further sizes run the graph compiled without CUDA graphs, reported (0: no cap).",
+            codegen=False,
+        ),
+    )
     inductor: tuple[tuple[str, Any], ...] = field(
         default=(),
         metadata=_meta(
@@ -373,6 +381,8 @@ class Options:
             raise OptionsError(f"enn: guard_warmup must be >= 0, got {self.guard_warmup}")
         if self.localize_budget < 0:
             raise OptionsError(f"enn: localize_budget must be >= 0, got {self.localize_budget}")
+        if self.cudagraph_max_shapes < 0:
+            raise OptionsError(f"enn: cudagraph_max_shapes must be >= 0 (0: no cap), got {self.cudagraph_max_shapes}")
         if self.attention_order:
             for name in self.attention_order.split(","):
                 if name.strip() not in ATTENTION_BACKENDS[1:]:

@@ -53,6 +53,7 @@ class FallbackKind(str, enum.Enum):
     DYNAMO_GRAPH = "dynamo_graph"  # compiled and eager copy agree, the graph Dynamo handed over (closer to fp64) differs: it runs
     BUFFER_CHANGED = "buffer_changed"  # a module buffer lost the content its graph was compiled for
     FAULT_NOT_PLANTED = "fault_not_planted"  # a fault_inject spec reached no graph of a compiled unit
+    CUDAGRAPH_LIMIT = "cudagraph_limit"  # a graph's new input sizes past its cap of recorded CUDA graphs run uncaptured
     EXPORTING = "exporting"  # handed a graph while torch.export traced: it runs as captured, for export
 
 
@@ -69,6 +70,9 @@ class GraphCounter(str, enum.Enum):
     MODEL_NONFINITE = "model_nonfinite"  # NaN/Inf that eager makes too
     RECOMPILES = "recompiles"  # artifacts adopted after a fault
     PINNED_IN_GRAPH = "pinned_in_graph"  # enn::pinned nodes in the current artifact
+    CUDAGRAPH_SHAPES = "cudagraph_shapes"  # distinct input sizes handed to CUDA-graph capture (enn_backend.cudagraph_cap)
+    UNCAPTURED_SHAPES = "uncaptured_shapes"  # distinct input sizes past that cap, run without CUDA graphs
+    UNCAPTURED_CALLS = "uncaptured_calls"  # calls run without CUDA graphs for being past that cap
 
 
 class Count(str, enum.Enum):
