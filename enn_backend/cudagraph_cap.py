@@ -50,6 +50,7 @@ from . import compat
 from .guard.calls import LADDER
 from .report import FallbackKind, GraphCounter, GraphRecord, report
 
+
 def int_positions(inputs: Sequence[Any]) -> list[int]:
     """Where a graph's inputs are integers (concrete or symbolic): where Inductor reads its key."""
     # a bool too: Inductor's check is isinstance(v, int) on the call's values
