@@ -282,3 +282,18 @@ def test_fp32_model_finite_drift_of_5_percent_demotes_only_that_layer():
     assert [(f.kind, f.graph) for f in runtime if f.kind != "pinned_from_state"] == [("value", "g0/forward")], \
         [(f.kind, f.graph, f.reason) for f in runtime]
     assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+
+
+def test_fp8_kernel_state_is_keyed_by_the_layer_not_by_the_shape():
+    """Layers 1 and 4 are FP8 GEMMs of the same shapes (64 x 64, nothing excluded). Their kernel
+    state keys name the layer: a pin of layer 1's forward GEMM applies to layer 1's backward
+    GEMMs too, and to no GEMM of layer 4 (with a key by shape, a demotion spread to every
+    layer's same projection)."""
+    from enn_backend.guard.kernel_entry import node_key
+
+    run = run_passes(Net32(), (_x(),), ["fp8"], training=True, options={"fp8": "rowwise", "fp8_exclude": ""})
+    keys: dict[str, list[str]] = {}
+    for n in find_ops(run.after, enn.fp8_mm):
+        keys.setdefault(node_key(n), []).append(n.name)
+    assert sorted(k.rsplit("|", 1)[1] for k in keys) == ["layer=layers.1", "layer=layers.4"], keys
+    assert all(len(names) == 3 for names in keys.values()), keys  # forward + two gradient GEMMs each

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from .. import __version__
+from .. import __version__, blame
 from ..fx_utils import tensors_in, val
 from .graph_edit import node_op_name
 
@@ -114,14 +114,26 @@ def _bucket(dim: Any) -> str:
     return str(b)
 
 
+# Ops whose pin is a decision about one layer's numerics, not about a kernel at a shape: an FP8
+# GEMM is demoted because of the values its layer quantizes. Their state is keyed by the layer
+# (the module path of the forward GEMM, which a backward GEMM carries too): a pin demotes that
+# layer's GEMMs, forward and backward, and not every GEMM of its shape (in a transformer, every
+# layer's same projection).
+LAYER_KEYED_OPS = frozenset({"enn.fp8_mm"})
+
+
 def node_key(n: fx.Node) -> str | None:
+    """The kernel-state key of a node: op, backend, device, dtype, and the shape (bucketed to
+    powers of two) -- or, for :data:`LAYER_KEYED_OPS`, the layer."""
     ts = tensors_in(val(n))
     if not ts:
         return None
     t = ts[0]
+    op = node_op_name(n)
     backend = "inductor-triton" if t.device.type == "cuda" else f"inductor-{t.device.type}"
-    shape = "x".join(_bucket(d) for d in t.shape) or "scalar"
-    return "|".join((node_op_name(n), backend, device_capability(t.device), str(t.dtype).removeprefix("torch."), shape))
+    where = (f"layer={blame.site(n).get('module') or '<root>'}" if op in LAYER_KEYED_OPS
+             else "x".join(_bucket(d) for d in t.shape) or "scalar")
+    return "|".join((op, backend, device_capability(t.device), str(t.dtype).removeprefix("torch."), where))
 
 
 # a device's index in a graph's code: `device(type='cuda', index=1)`, `'cuda:1'`
