@@ -13,7 +13,7 @@ graph per layer, as OPT does, Dynamo may compile one layer's graph once and run 
 layer, while the cache's layer index makes one graph per layer.)
 
 By default: GPT-2 with eager attention, the model that returns its cache from the attention's own
-K/V copies. ``ENN_HF_SWEEP=full`` runs every model of the sweep with both attention
+K/V copies. ``HF_SWEEP=full`` runs every model of the sweep with both attention
 implementations (``python tests/_hf.py --variant defaults,checkpointing --options ...`` prints
 the same cases as a table).
 """
@@ -31,7 +31,7 @@ import _hf  # noqa: E402
 
 import enn_backend  # noqa: E402
 
-FULL = os.environ.get("ENN_HF_SWEEP", "") == "full"
+FULL = os.environ.get("HF_SWEEP", "") == "full"
 FUSING = {"attention_order": "flash,explicit"}
 # What the use_cache=False twin fuses where it is known without running it (tests/test_hf_models.py:
 # GPT-2's two layers); other twins run once per process.
@@ -49,7 +49,7 @@ NOT_COMPILED = {
 }
 CASES = [pytest.param(name, impl, variant, marks=(
     ([] if (name, impl, variant) in SUBSET else
-     [pytest.mark.slow, pytest.mark.skipif(not FULL, reason="ENN_HF_SWEEP=full runs the whole sweep")])
+     [pytest.mark.slow, pytest.mark.skipif(not FULL, reason="HF_SWEEP=full runs the whole sweep")])
     + ([pytest.mark.xfail(strict=True, reason=NOT_COMPILED[name, impl, variant])]
        if (name, impl, variant) in NOT_COMPILED else [])))
     for name in _hf.MODELS for impl in _hf.IMPLEMENTATIONS for variant in ("defaults", "checkpointing")]

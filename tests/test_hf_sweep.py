@@ -7,7 +7,7 @@ fall back from.
 
 By default the sweep runs a subset: the models of issue 20's reproducer (LLaMA, Mistral, Qwen2 with
 SDPA and left padding), LLaMA on eager attention, an encoder and an encoder-decoder. The other 28
-cases are marked ``slow`` and skipped unless ``ENN_HF_SWEEP=full``, which runs every model with both
+cases are marked ``slow`` and skipped unless ``HF_SWEEP=full``, which runs every model with both
 attention implementations (``python tests/_hf.py`` prints the same sweep as a table).
 """
 
@@ -26,7 +26,7 @@ import enn_backend  # noqa: E402
 
 from enn_backend.custom_ops.attention.safe_paths import _cpu_flash_safe  # noqa: E402
 
-FULL = os.environ.get("ENN_HF_SWEEP", "") == "full"
+FULL = os.environ.get("HF_SWEEP", "") == "full"
 SUBSET = {
     ("llama", "sdpa"), ("mistral", "sdpa"), ("qwen2", "sdpa"),  # issue 20: GQA, SDPA, left padding
     ("llama", "eager"),  # the same model on transformers' hand-written attention
@@ -34,7 +34,7 @@ SUBSET = {
     ("whisper", "sdpa"),  # encoder-decoder, no attention mask input: only the decoder's causal mask
 }
 CASES = [pytest.param(name, impl, marks=() if (name, impl) in SUBSET else
-                      (pytest.mark.slow, pytest.mark.skipif(not FULL, reason="ENN_HF_SWEEP=full runs the whole sweep")))
+                      (pytest.mark.slow, pytest.mark.skipif(not FULL, reason="HF_SWEEP=full runs the whole sweep")))
          for name in _hf.MODELS for impl in _hf.IMPLEMENTATIONS]
 
 
