@@ -10,8 +10,19 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# One intra-op thread per process. The suite runs as `pytest -n 2` on 2-core machines: with
+# torch's default (a thread per core) each worker, and each subprocess a test starts, runs an
+# OpenMP team as wide as the machine, and on these tiny tensors the threads spend their time
+# waiting for cores the other worker holds (a small eager training step measured 40x slower
+# than on one thread). Set before torch is imported, so that subprocesses inherit it too; a
+# value the caller set is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if os.environ["OMP_NUM_THREADS"].isdigit():  # (torch may have been imported before this file)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import enn_backend
 
@@ -30,10 +41,14 @@ def pytest_collection_modifyitems(config, items):
 def _session_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("session")
     old = {k: os.environ.get(k) for k in ("ENN_CACHE_DIR", "ENN_REPRO_DIR", "TORCHINDUCTOR_CACHE_DIR")}
-    # Inductor's caches (FX graph, AOTAutograd) start empty in each test session: a test that
-    # checks what a compile does must not meet an earlier run's cache entry for its graph
-    # (tests/test_aot_cache.py tests warm starts on purpose)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor")
+    # Inductor's caches (FX graph, AOTAutograd, compiled kernels) start empty in each test
+    # session: a test that checks what a compile does must not meet an earlier run's cache entry
+    # for its graph (tests/test_aot_cache.py tests warm starts on purpose). The xdist workers of
+    # one run share them, as the tests of one worker do: a kernel one worker built is not built
+    # again by the other (Inductor's caches take concurrent processes).
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    shared = tmp_path_factory.getbasetemp().parent if worker else root  # (this run's folder, above popen-gwN)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(shared / "inductor")
     # enn's folders for fixtures wider than one test (each test gets its own: _enn_state);
     # nothing a test session does reaches the user's ~/.cache/enn
     os.environ["ENN_CACHE_DIR"] = str(root / "enn-cache")
