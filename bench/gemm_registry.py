@@ -8,6 +8,12 @@ ways, timed side by side in one process:
   rule       enn, guard off, rules only (measure_ms=0)
   measured   enn, guard off, measure_ms=BUDGET, a fresh choice cache
 
+``--extra`` adds variants of enn side by side (``default``: the guard on; ``no cpp wrapper``,
+``no combo``, ``python wrapper``: the rule variant built without enn's C++ wrapper, without combo
+kernels, or without both), for a graph enn builds differently from Inductor because it predicts it
+host-bound (decode M=1). ``--kernel-time`` adds each variant's device kernel time per call (profiler)
+and its wall time per call over back-to-back calls (host-paced when the kernels are short).
+
 Columns: the kernel each enn variant chose, median ms per call (CUDA events; wall clock on CPU),
 and the ratios measured/rule and measured/inductor (<= 1.00 is what the registry promises, within
 noise). Then a second process compiles the measured variant again with the same choice cache and
@@ -68,6 +74,25 @@ def choices() -> list[dict]:
     return [c for g in enn_backend.report().graphs for c in g.kernel_choices]
 
 
+# name -> enn options for --extra (added to the three variants above)
+EXTRA = {"default": {}, "no cpp wrapper": {"guard": "off", "cpp_wrapper": False},
+         "no combo": {"guard": "off", "combo_kernels": False},
+         "python wrapper": {"guard": "off", "cpp_wrapper": False, "combo_kernels": False}}
+
+
+def wall_us(fn, device: str, calls: int = 200) -> float:
+    """Wall time per call over back-to-back calls, synchronized once at the end."""
+    from enn_backend.bench.timing import sync
+
+    fn()
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync(device)
+    return 1e6 * (time.perf_counter() - t) / calls
+
+
 def run_config(shape: str, family: str, args, cache_dir: str) -> dict:
     import enn_backend
 
@@ -80,6 +105,7 @@ def run_config(shape: str, family: str, args, cache_dir: str) -> dict:
     row = {"shape": shape, "mnk": [m, n, k], "family": family}
     variants = {"inductor": ("inductor", None), "rule": ("enn", {"guard": "off"}),
                 "measured": ("enn", {"guard": "off", "measure_ms": args.measure_ms, "cache_dir": cache_dir})}
+    variants.update({name: ("enn", EXTRA[name]) for name in filter(None, args.extra.split(","))})
     with torch.no_grad():
         want = f(x, w, b, r)
         for name, (backend, options) in variants.items():
@@ -91,6 +117,13 @@ def run_config(shape: str, family: str, args, cache_dir: str) -> dict:
             row[f"{name}_compile_s"] = round(time.perf_counter() - t0, 2)
             row[f"{name}_ms"] = time_ms(lambda: c(x, w, b, r), dev)
             row[f"{name}_maxerr"] = (got.float() - want.float()).abs().max().item()
+            if args.kernel_time:
+                from enn_backend.bench.timing import profile
+
+                row[f"{name}_wall_us"] = round(wall_us(lambda: c(x, w, b, r), dev), 1)
+                prof = profile({name: lambda: c(x, w, b, r)}, dev, steps=20)[name]
+                row[f"{name}_kernel_us"] = round(1e3 * prof["total_ms_per_step"], 1)
+                row[f"{name}_kernels"] = [(t["name"], round(t["calls_per_step"], 2)) for t in prof["top"]]
             if backend == "enn":
                 made = choices()
                 row[f"{name}_kernel"] = made[0]["choice"] if made else "inductor (no site)"
@@ -138,6 +171,8 @@ def parse(argv):
     p.add_argument("--shapes", default=",".join(s for s in SHAPES if s != "tiny"), help=f"of {', '.join(SHAPES)}")
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--measure-ms", type=int, default=100, help="enn's measure_ms for the measured variant")
+    p.add_argument("--extra", default="", help=f"comma-separated enn variants to add, of: {', '.join(EXTRA)}")
+    p.add_argument("--kernel-time", action="store_true", help="wall us per back-to-back call and kernel us per call")
     p.add_argument("--budget-s", type=float, default=480.0, help="start no configuration after this many seconds")
     return p.parse_args(argv)
 
@@ -172,6 +207,14 @@ def main(argv=None) -> int:
         lines.append(f"| {r['shape']} | {'x'.join(map(str, r['mnk']))} | {r['family']} | {r['rule_kernel']} | "
                      f"{r['measured_kernel']} ({r['measured_how']}) | {r['inductor_ms']:.4f} | {r['rule_ms']:.4f} | "
                      f"{r['measured_ms']:.4f} | {r['measured_vs_rule']:.3f} | {r['measured_vs_inductor']:.3f} |")
+    shown = ["inductor", "rule", "measured", *filter(None, args.extra.split(","))]
+    if args.kernel_time or args.extra:
+        lines += ["", "Every variant (ms: CUDA events around one call; wall us: per call, back to back; kernel us: "
+                  "device kernels per call):", "", "| shape | family | variant | kernel | ms | wall us | kernel us |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['shape']} | {r['family']} | {v} | {r.get(f'{v}_kernel', '')} | {r[f'{v}_ms']:.4f} | "
+                  f"{r.get(f'{v}_wall_us', '')} | {r.get(f'{v}_kernel_us', '')} |"
+                  for r in rows if "measured_ms" in r for v in shown]
     if second.get("rows"):
         lines += ["", "Second process, same choice cache, empty Inductor cache:", "",
                   "| shape | family | compile s | how | kernel |", "|---|---|---|---|---|"]
