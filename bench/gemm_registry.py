@@ -11,12 +11,18 @@ ways, timed side by side in one process:
 ``--extra`` adds variants of enn side by side (``default``: the guard on; ``no cpp wrapper``,
 ``no combo``, ``python wrapper``: the rule variant built without enn's C++ wrapper, without combo
 kernels, or without both), for a graph enn builds differently from Inductor because it predicts it
-host-bound (decode M=1). ``--kernel-time`` adds each variant's device kernel time per call (profiler)
-and its wall time per call over back-to-back calls (host-paced when the kernels are short).
+host-bound (decode M=1).
 
-Columns: the kernel each enn variant chose, median ms per call (CUDA events; wall clock on CPU),
-and the ratios measured/rule and measured/inductor (<= 1.00 is what the registry promises, within
-noise). Then a second process compiles the measured variant again with the same choice cache and
+Every variant is compiled first, then timed in interleaved rounds (``enn_backend.bench.timing``'s
+Timer: one sample per variant per round, the order rotated), so the variants share the moment's
+clocks and noise; ratios are medians of per-round ratios. On CUDA each variant's device kernels
+(names and time per call, by the profiler) and its wall time per back-to-back call are added:
+variants that launch the same kernels differ only by noise or host time.
+
+Columns: the kernel each enn variant chose, median ms per call (do_bench on CUDA; wall clock on
+CPU), the ratios measured/rule and measured/inductor (<= 1.00 is what the registry promises, within
+noise), the widest spread of a variant's samples, and whether the measured variant launched the same
+kernels as Inductor. Then a second process compiles the measured variant again with the same choice cache and
 an empty Inductor cache: its compile time, and how each choice was made (``cached``: no timing).
 
     python -m enn_backend bench --tool gemm_registry                       # GPU, bf16, every shape
@@ -30,6 +36,7 @@ directory). A configuration that would start after --budget-s seconds is skipped
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -41,7 +48,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from enn_backend.registry.measure import run_ms
+from enn_backend.bench.timing import Timer, paired_ratio, profile, spread_pct, sync
 
 # name -> (M, N, K): tokens x out x in of one projection
 SHAPES = {
@@ -62,10 +69,11 @@ def model_fn(family: str):
     return lambda x, w, b, r: act(F.linear(x, w, b))
 
 
-def time_ms(fn, device: str, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    return statistics.median(run_ms(fn, device) for _ in range(reps))
+def fresh(family: str, variant: str):
+    """``model_fn(family)`` as a code object of its own, so that Dynamo compiles each variant apart
+    and every compiled variant stays alive to be timed in the same interleaved rounds."""
+    src = "lambda x, w, b, r: r + F.linear(x, w, b)" if family == "residual" else "lambda x, w, b, r: act(F.linear(x, w, b))"
+    return eval(compile(src, f"<gemm_registry {family} {variant}>", "eval"), {"F": F, "act": ACT.get(family)})
 
 
 def choices() -> list[dict]:
@@ -82,8 +90,6 @@ EXTRA = {"default": {}, "no cpp wrapper": {"guard": "off", "cpp_wrapper": False}
 
 def wall_us(fn, device: str, calls: int = 200) -> float:
     """Wall time per call over back-to-back calls, synchronized once at the end."""
-    from enn_backend.bench.timing import sync
-
     fn()
     sync(device)
     t = time.perf_counter()
@@ -101,36 +107,40 @@ def run_config(shape: str, family: str, args, cache_dir: str) -> dict:
     g = torch.Generator(device=dev).manual_seed(0)
     x, w = torch.randn(m, k, device=dev, dtype=dtype, generator=g), torch.randn(n, k, device=dev, dtype=dtype, generator=g)
     b, r = torch.randn(n, device=dev, dtype=dtype, generator=g), torch.randn(m, n, device=dev, dtype=dtype, generator=g)
-    f = model_fn(family)
     row = {"shape": shape, "mnk": [m, n, k], "family": family}
     variants = {"inductor": ("inductor", None), "rule": ("enn", {"guard": "off"}),
                 "measured": ("enn", {"guard": "off", "measure_ms": args.measure_ms, "cache_dir": cache_dir})}
     variants.update({name: ("enn", EXTRA[name]) for name in filter(None, args.extra.split(","))})
+    fns = {}
     with torch.no_grad():
-        want = f(x, w, b, r)
+        want = model_fn(family)(x, w, b, r)
         for name, (backend, options) in variants.items():
-            torch._dynamo.reset()
-            enn_backend.reset()
+            seen = len(enn_backend.report().graphs)
             t0 = time.perf_counter()
-            c = torch.compile(f, backend=backend, options=options, dynamic=False)
+            c = torch.compile(fresh(family, name), backend=backend, options=options, dynamic=False)
             got = c(x, w, b, r)
             row[f"{name}_compile_s"] = round(time.perf_counter() - t0, 2)
-            row[f"{name}_ms"] = time_ms(lambda: c(x, w, b, r), dev)
             row[f"{name}_maxerr"] = (got.float() - want.float()).abs().max().item()
-            if args.kernel_time:
-                from enn_backend.bench.timing import profile
-
-                row[f"{name}_wall_us"] = round(wall_us(lambda: c(x, w, b, r), dev), 1)
-                prof = profile({name: lambda: c(x, w, b, r)}, dev, steps=20)[name]
-                row[f"{name}_kernel_us"] = round(1e3 * prof["total_ms_per_step"], 1)
-                row[f"{name}_kernels"] = [(t["name"], round(t["calls_per_step"], 2)) for t in prof["top"]]
             if backend == "enn":
-                made = choices()
+                made = [c for g in enn_backend.report().graphs[seen:] for c in g.kernel_choices]
                 row[f"{name}_kernel"] = made[0]["choice"] if made else "inductor (no site)"
                 row[f"{name}_how"] = made[0].get("how", "rule") if made else ""
                 row[f"{name}_timings"] = made[0].get("timings_ms", {}) if made else {}
-    row["measured_vs_rule"] = round(row["measured_ms"] / row["rule_ms"], 3)
-    row["measured_vs_inductor"] = round(row["measured_ms"] / row["inductor_ms"], 3)
+            fns[name] = functools.partial(c, x, w, b, r)
+        samples = Timer(dev, rounds=args.rounds).measure(fns)
+        for name, fn in fns.items():
+            row[f"{name}_ms"] = statistics.median(samples[name])
+            if dev.startswith("cuda"):
+                row[f"{name}_wall_us"] = round(wall_us(fn, dev), 1)
+                prof = profile({name: fn}, dev, steps=20)[name]
+                row[f"{name}_kernel_us"] = round(1e3 * prof["total_ms_per_step"], 1)
+                row[f"{name}_kernels"] = sorted(t["name"] for t in prof["top"])
+    # per-round ratios of back-to-back samples (timing.paired_ratio); the widest spread of a variant
+    row["measured_vs_rule"] = round(paired_ratio(samples["measured"], samples["rule"]), 3)
+    row["measured_vs_inductor"] = round(paired_ratio(samples["measured"], samples["inductor"]), 3)
+    row["spread_pct"] = round(max(spread_pct(v) for v in samples.values()), 1)
+    if "measured_kernels" in row:
+        row["same_kernels_as_inductor"] = row["measured_kernels"] == row["inductor_kernels"]
     return row
 
 
@@ -172,7 +182,7 @@ def parse(argv):
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--measure-ms", type=int, default=100, help="enn's measure_ms for the measured variant")
     p.add_argument("--extra", default="", help=f"comma-separated enn variants to add, of: {', '.join(EXTRA)}")
-    p.add_argument("--kernel-time", action="store_true", help="wall us per back-to-back call and kernel us per call")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (one sample per variant each)")
     p.add_argument("--budget-s", type=float, default=480.0, help="start no configuration after this many seconds")
     return p.parse_args(argv)
 
@@ -198,19 +208,21 @@ def main(argv=None) -> int:
             print(json.dumps(r), flush=True)
     second = second_process(args, cache_dir, done) if done else {}
     head = ("| shape | MxNxK | family | rule kernel | measured kernel | inductor ms | rule ms | measured ms | "
-            "measured/rule | measured/inductor |")
-    lines = [head, "|" + "---|" * 10]
+            "measured/rule | measured/inductor | spread % | same kernels as inductor |")
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         if "measured_ms" not in r:
-            lines.append(f"| {r['shape']} | | {r['family']} | {r.get('skipped') or r.get('error')} | | | | | | |")
+            lines.append(f"| {r['shape']} | | {r['family']} | {r.get('skipped') or r.get('error')} |" + " |" * 8)
             continue
+        same = {True: "yes", False: "no"}.get(r.get("same_kernels_as_inductor"), "")
         lines.append(f"| {r['shape']} | {'x'.join(map(str, r['mnk']))} | {r['family']} | {r['rule_kernel']} | "
                      f"{r['measured_kernel']} ({r['measured_how']}) | {r['inductor_ms']:.4f} | {r['rule_ms']:.4f} | "
-                     f"{r['measured_ms']:.4f} | {r['measured_vs_rule']:.3f} | {r['measured_vs_inductor']:.3f} |")
+                     f"{r['measured_ms']:.4f} | {r['measured_vs_rule']:.3f} | {r['measured_vs_inductor']:.3f} | "
+                     f"{r['spread_pct']} | {same} |")
     shown = ["inductor", "rule", "measured", *filter(None, args.extra.split(","))]
-    if args.kernel_time or args.extra:
-        lines += ["", "Every variant (ms: CUDA events around one call; wall us: per call, back to back; kernel us: "
-                  "device kernels per call):", "", "| shape | family | variant | kernel | ms | wall us | kernel us |",
+    if any("inductor_kernel_us" in r for r in rows):
+        lines += ["", "Every variant (ms: the interleaved rounds' median; wall us: per call, back to back; kernel us: "
+                  "device kernels per call, profiler):", "", "| shape | family | variant | kernel | ms | wall us | kernel us |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['shape']} | {r['family']} | {v} | {r.get(f'{v}_kernel', '')} | {r[f'{v}_ms']:.4f} | "
                   f"{r.get(f'{v}_wall_us', '')} | {r.get(f'{v}_kernel_us', '')} |"
