@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install enn (no network there), then run the named stages.
-#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision tests checks bench real demo)
+#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision tests checks bench real realdefaults demo)
 # Each stage's output goes to $OUT/<stage>.log and its JSON to $OUT. The tools run through the
 # front door (python -m enn_backend bench --tool NAME ARGS = python bench/NAME.py ARGS).
 set -u
@@ -28,6 +28,8 @@ for stage in "$@"; do
     # third-party models (transformers, timm, torchvision); its own budget keeps it under 7 minutes, the
     # timeout (SIGINT) backs that up: results are rewritten after every workload, so a cut run keeps them
     real)      timeout -s INT -k 15 390 python3 -m enn_backend bench --preset real --out "$OUT/real" ;;
+    # HF models as users leave them (config defaults, gradient checkpointing) next to their twins; the same budget and timeout
+    realdefaults) timeout -s INT -k 15 390 python3 -m enn_backend bench --preset real-defaults --out "$OUT/realdefaults" ;;
     demo)      python3 -m enn_backend demo ;;
     *) echo "unknown stage $stage" ;;
   esac 2>&1 | tee "$OUT/$stage.log" | tail -40

@@ -1,5 +1,7 @@
 """The real-model benchmark (issue 17): third-party models from random configs, the real-cpu preset
-end to end, skipped models with their reason, host vs kernel time, partial results, --only."""
+end to end, skipped models with their reason, host vs kernel time, partial results, --only; the HF
+models as users leave them (issue 41: config defaults, HF's own loss, gradient checkpointing) and
+the real-defaults preset that runs them next to their twins."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ import pytest
 import torch
 
 from enn_backend import models
-from enn_backend.bench import cli, markdown, plots, runner, summary
+from enn_backend.bench import cli, markdown, plots, runner, steps, summary
 from enn_backend.models.common import ModelSpec
+from enn_backend.models.real import AS_LEFT
 
 pytest.importorskip("transformers")
 
@@ -102,17 +105,102 @@ def test_stochastic_training_gets_no_accuracy_verdict(monkeypatch):
     assert wl["backends"]["inductor"]["time_ms"] > 0
 
 
+# ------------------------------------------------------------------ models as users leave them (issue 41)
+def _no_dropout_keys(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if "dropout" not in k}
+
+
+def test_as_left_variants_have_their_twins_sizes_and_the_configs_dropout():
+    import transformers
+
+    for twin, variants in AS_LEFT.items():
+        for size in models.SIZES:
+            sizes = _no_dropout_keys(models.config(twin, size))
+            assert [models.config(v, size) for v in variants] == [sizes, sizes], (twin, size)
+        defaults, ckpt = (models.spec(v) for v in variants)
+        assert defaults.modes == ("train", "infer") and ckpt.modes == ("train",)
+        assert bool(defaults.stochastic) == bool(ckpt.stochastic) == (twin in ("hf_gpt2_eager", "hf_bert_sdpa")), twin
+    gpt2 = models.build("hf_gpt2_eager_defaults").model.model.config
+    assert (gpt2.attn_pdrop, gpt2.resid_pdrop, gpt2.embd_pdrop) == (0.1, 0.1, 0.1)
+    bert = models.build("hf_bert_sdpa_defaults").model.model.config
+    default = transformers.BertConfig()
+    assert (bert.hidden_dropout_prob, bert.attention_probs_dropout_prob) == \
+        (default.hidden_dropout_prob, default.attention_probs_dropout_prob) == (0.1, 0.1)
+
+
+def test_as_left_variants_train_one_step_of_the_bench():
+    for variants in AS_LEFT.values():
+        for name in variants:
+            model, make, loss_fn = models.build(name, "cpu-small")
+            before = [p.detach().clone() for p in model.parameters()]
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            loss = steps.timed_step(model, opt, make(0), loss_fn, "train", steps.autocast("cpu", "fp32"))()
+            assert loss.dim() == 0 and torch.isfinite(loss), name
+            assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()) if p.requires_grad), name
+
+
+def test_defaults_llama_keeps_use_cache_and_its_loss_is_hfs_from_labels():
+    import transformers
+
+    model, make, loss_fn = models.build("hf_llama_sdpa_defaults", "cpu-small")
+    hf = model.model
+    default = transformers.LlamaConfig()
+    assert hf.config.use_cache is default.use_cache is True and hf.config.attention_dropout == default.attention_dropout
+    twin, _, _ = models.build("hf_llama_sdpa", "cpu-small")
+    assert twin.model.config.use_cache is False
+    batch = make(0)
+    ids, labels = batch.args
+    assert torch.equal(labels, batch.target) and torch.equal(labels, ids)  # no padding: HF's labels are the inputs
+    assert hf(input_ids=ids).past_key_values is not None  # the forward builds a KV cache
+    loss = steps.result_step(model, model, batch, loss_fn, "train", steps.autocast("cpu", "fp32"))[0]
+    with torch.no_grad():
+        direct = hf(input_ids=ids, labels=labels).loss
+        logits = hf(input_ids=ids).logits
+    assert torch.equal(loss, direct)
+    # HF shifts the labels itself: position t predicts t+1, the last position predicts nothing
+    shifted = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    assert torch.allclose(loss, shifted, rtol=1e-5, atol=1e-6)
+
+
+def test_ckpt_model_checkpoints_its_layers_with_the_defaults_values():
+    model, make, loss_fn = models.build("hf_llama_sdpa_ckpt", "cpu-small")
+    assert model.model.is_gradient_checkpointing
+    assert all(layer.gradient_checkpointing for layer in model.model.model.layers)
+    defaults, _, _ = models.build("hf_llama_sdpa_defaults", "cpu-small")
+    assert not defaults.model.is_gradient_checkpointing
+    batch = make(0)
+    amp = steps.autocast("cpu", "fp32")
+    ckpt_run = steps.result_step(model, model, batch, loss_fn, "train", amp)
+    plain_run = steps.result_step(defaults, defaults, batch, loss_fn, "train", amp)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(ckpt_run, plain_run))  # same weights, same step
+
+
 # ------------------------------------------------------------------ presets and the command line
 def test_real_presets_and_only(capsys):
     real = cli.build_config(cli.parser().parse_args(["--preset", "real"]), [])
     assert real.device == "cuda" and real.dtypes == ["bf16"] and real.host_vs_kernel and not real.warm_compile
-    assert real.models == models.names("real") and real.budget_s and real.budget_s <= 330
+    variants = {v for pair in AS_LEFT.values() for v in pair}
+    assert real.models == [m for m in models.names("real") if m not in variants] and real.budget_s and real.budget_s <= 330
     cpu = cli.build_config(cli.parser().parse_args(["--preset", "real-cpu", "--only", "hf_bert_eager,hf_llama_eager"]), [])
     assert cpu.device == "cpu" and cpu.models == ["hf_llama_eager", "hf_bert_eager"]  # the preset's order
     with pytest.raises(SystemExit, match="not in the quick preset"):
         cli.build_config(cli.parser().parse_args(["--only", "hf_llama_eager"]), [])
     assert cli.main(["--list"]) == 0
     assert "hf_bert_sdpa" in capsys.readouterr().out
+
+
+def test_real_defaults_preset_runs_each_variant_next_to_its_twin():
+    real = cli.build_config(cli.parser().parse_args(["--preset", "real"]), [])
+    both = cli.build_config(cli.parser().parse_args(["--preset", "real-defaults"]), [])
+    assert list(AS_LEFT) == ["hf_llama_eager", "hf_llama_sdpa", "hf_gpt2_eager", "hf_bert_sdpa"]
+    assert both.models[:3] == ["hf_llama_eager", "hf_llama_eager_defaults", "hf_llama_eager_ckpt"]
+    assert both.models == [m for twin, (defaults, ckpt) in AS_LEFT.items() for m in (twin, defaults, ckpt)]
+    assert set(AS_LEFT) <= set(real.models) and not (set(both.models) - set(AS_LEFT)) & set(real.models)
+    same = ("device", "size", "dtypes", "modes", "rounds", "rep_ms", "warm_compile", "host_vs_kernel")
+    assert [getattr(both, k) for k in same] == [getattr(real, k) for k in same]
+    assert both.backends == ["inductor", "enn"] and both.budget_s and both.budget_s <= 330
+    cpu = cli.build_config(cli.parser().parse_args(["--preset", "real-cpu", "--only", ",".join(both.models)]), [])
+    assert cpu.device == "cpu" and cpu.models == both.models
 
 
 # ------------------------------------------------------------------ summary and Markdown of real results

@@ -2,13 +2,27 @@
 ``torchvision``, unmodified, built from small random configs (no weights are ever downloaded).
 
 Each model is wrapped only so that it fits the zoo's calling convention (``model(*batch.args)``,
-loss outside the model): :class:`Logits` calls a transformers model with keyword inputs and
-returns its ``logits``; the loss is the zoo's token / class cross entropy, with ``-100`` where
-the attention mask hides a position (as ``DataCollatorForLanguageModeling`` labels padding).
-``use_cache`` is off: one step is a whole-sequence forward (training, or prefill-style inference).
+then ``loss_fn(output, batch.target)``). Most transformers specs set three things a user would
+leave alone, so that one step is a deterministic whole-sequence forward with the zoo's loss:
 
-Dropout is off (set to 0 in the config, visibly) except where a spec says ``stochastic``: GPT-2
-trains with transformers' default dropouts (0.1 on attention, residual and embeddings).
+- :class:`Logits` calls a transformers model with keyword inputs and returns its ``logits``; the
+  loss is the zoo's token / class cross entropy outside the model, with ``-100`` where the
+  attention mask hides a position (as ``DataCollatorForLanguageModeling`` labels padding);
+- ``use_cache`` is off: one step is training or a prefill-style forward, with no KV cache built;
+- dropout is off (set to 0 in the config, visibly), except where a spec says ``stochastic``:
+  GPT-2 trains with transformers' default dropouts (0.1 on attention, residual and embeddings).
+
+The specs ending in ``_defaults`` and ``_ckpt`` (issue 41) run a model as users leave it, next to
+the spec they are named after (its *twin*, same sizes), to measure what those three settings hide:
+the config keeps its defaults (only sizes and the special token ids are chosen; ``use_cache`` and
+dropout are the config's, so a model whose config drops out is ``stochastic``), and the model
+computes its own loss from ``labels=`` (:class:`OwnLoss`: HF's loss function, which shifts a
+causal LM's labels itself; the zoo's loss is :func:`own_loss`, the model's output). The inference
+step is then an evaluation forward with labels (the loss, as ``Trainer.evaluate`` gets it),
+building the KV cache where ``use_cache`` is on; the wrapper returns only the loss, so the logits
+and the cache are not outputs of the compiled graph. ``_ckpt`` is the same with
+``model.gradient_checkpointing_enable()`` (transformers' default, non-reentrant), training only.
+:data:`AS_LEFT` lists the twins that have them.
 
 Padding: ``padding="left"`` (decoders, as batched generation pads) or ``"right"`` (encoders, as
 their tokenizers pad) pads every second row of the batch by a quarter of the sequence.
@@ -49,6 +63,24 @@ class Logits(nn.Module):
         return self.model(**dict(zip(self.keys, args))).logits
 
 
+class OwnLoss(nn.Module):
+    """``OwnLoss(model, keys)(*args)`` is ``model(**dict(zip(keys, args))).loss``: the model's own
+    loss, from the ``labels`` among its inputs (a causal LM shifts them itself)."""
+
+    def __init__(self, model: nn.Module, keys: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model, self.keys = model, keys
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.keys, args))).loss
+
+
+def own_loss(loss: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The step's loss of a model that computes its own (:class:`OwnLoss`): the model's output;
+    the target is already among the model's inputs."""
+    return loss
+
+
 def padding_mask(batch: int, seq: int, padding: str) -> torch.Tensor:
     """[batch, seq] int64, 0 where a position is padding: every second row loses ``seq // 4``
     positions on the ``padding`` side ("left" / "right"); "" pads nothing."""
@@ -62,12 +94,19 @@ def padding_mask(batch: int, seq: int, padding: str) -> torch.Tensor:
 
 
 def _lm_batch(device: torch.device, kind: str, batch: int, seq: int, vocab: int, padding: str,
-              target_seq: int) -> Any:
+              target_seq: int, with_labels: bool = False) -> Any:
+    """Batches for a transformers LM; ``with_labels``: HF's labels (the inputs, ``-100`` at padding)
+    are the last argument and the target, for a model that computes its own loss."""
+
     def make(seed: int = 0) -> Batch:
         g = seeded(1000 + seed)
         mask = padding_mask(batch, seq, padding)
         ids = torch.randint(FIRST_ID, vocab, (batch, seq + 1), generator=g)
         inputs = ids[:, :-1].masked_fill(mask == 0, PAD)
+        if with_labels and kind != "seq2seq":  # HF's convention: the model shifts a causal LM's labels
+            hf_labels = ids[:, :-1].masked_fill(mask == 0, -100)
+            args = (inputs, mask, hf_labels) if padding else (inputs, hf_labels)
+            return Batch(tuple(a.to(device) for a in args), hf_labels.to(device))
         if kind == "causal":  # next-token targets; none at or onto padding
             nxt = torch.cat([mask[:, 1:], torch.ones(batch, 1, dtype=torch.long)], dim=1)
             target = ids[:, 1:].masked_fill((mask == 0) | (nxt == 0), -100)
@@ -86,20 +125,32 @@ def _lm_batch(device: torch.device, kind: str, batch: int, seq: int, vocab: int,
 
 
 def build_hf(device: torch.device, *, family: str, impl: str, batch: int, seq: int, padding: str = "",
-             target_seq: int = 0, **config: Any) -> ZooEntry:
-    """A transformers model of ``family`` with attention implementation ``impl`` from ``config``."""
+             target_seq: int = 0, as_left: bool = False, checkpointing: bool = False, **config: Any) -> ZooEntry:
+    """A transformers model of ``family`` with attention implementation ``impl`` from ``config``.
+
+    By default ``use_cache`` is off and the loss is the zoo's, on the model's logits. ``as_left``:
+    ``use_cache`` stays the config's and the model computes its own loss from ``labels=``
+    (:class:`OwnLoss`); ``checkpointing``: ``model.gradient_checkpointing_enable()`` as well."""
     import transformers
 
     config_cls, model_cls, kind = HF_FAMILIES[family]
+    if kind == "seq2seq" and not padding:
+        raise ValueError("the encoder-decoder batch always carries an attention mask: give padding='left' or 'right'")
+    if as_left and kind == "seq2seq":
+        raise ValueError("an encoder-decoder model is built with use_cache off and the loss outside it only")
     cfg = getattr(transformers, config_cls)(**SPECIAL, **config, attn_implementation=impl)
-    cfg.use_cache = False
+    if not as_left:
+        cfg.use_cache = False
     model = getattr(transformers, model_cls)(cfg)
     if model.config._attn_implementation != impl:
         raise RuntimeError(f"{model_cls} runs attention {model.config._attn_implementation!r}, not {impl!r}")
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    make = _lm_batch(device, kind, batch, seq, cfg.vocab_size, padding, target_seq, with_labels=as_left)
+    if as_left:
+        keys = ("input_ids", "attention_mask", "labels") if padding else ("input_ids", "labels")
+        return ZooEntry(OwnLoss(model, keys).to(device), make, own_loss)
     keys = ("input_ids", "attention_mask", "decoder_input_ids") if kind == "seq2seq" else ("input_ids", "attention_mask")
-    if kind == "seq2seq" and not padding:
-        raise ValueError("the encoder-decoder batch always carries an attention mask: give padding='left' or 'right'")
-    make = _lm_batch(device, kind, batch, seq, cfg.vocab_size, padding, target_seq)
     return ZooEntry(Logits(model, keys).to(device), make, token_loss)
 
 
@@ -134,16 +185,47 @@ _TINY_LLAMA = dict(_TINY, batch=2, seq=64, hidden_size=64, num_attention_heads=4
                    intermediate_size=128)  # GQA 4:1, head dim 16
 _GPU_LLAMA = dict(num_hidden_layers=2, vocab_size=32000, max_position_embeddings=4096, hidden_size=2048,
                   num_attention_heads=16, num_key_value_heads=4, intermediate_size=5632)  # GQA 4:1, head dim 128
+# The sizes of a model that has _defaults / _ckpt variants: sizes only, shared by the twin and its variants.
+_LLAMA = {"cpu-small": dict(_TINY_LLAMA), "gpu-real": dict(_GPU_LLAMA, batch=4, seq=1024)}
+_GPT2 = {"cpu-small": dict(batch=2, seq=64, n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
+         "gpu-real": dict(batch=8, seq=1024, n_layer=2, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)}
+_BERT = {"cpu-small": dict(_TINY, batch=4, seq=32, hidden_size=64, num_attention_heads=4, intermediate_size=128),
+         "gpu-real": dict(num_hidden_layers=2, vocab_size=30522, batch=16, seq=512, hidden_size=768, num_attention_heads=12,
+                          intermediate_size=3072)}
 _NO_DROPOUT_BERT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_GPT2_DROPOUT = ("trains with transformers' default dropout 0.1 (attention, residual, embedding): "
+                 "every backend draws its own random stream")
+_BERT_DROPOUT = ("trains with transformers' default dropout 0.1 (attention probabilities, hidden states): "
+                 "every backend draws its own random stream")
+
+# The twins that run as users leave them too, each with its variants (the module docstring), in
+# the order of real_specs(): the variants follow their twin there.
+AS_LEFT: dict[str, tuple[str, str]] = {twin: (f"{twin}_defaults", f"{twin}_ckpt")
+                                       for twin in ("hf_llama_eager", "hf_llama_sdpa", "hf_gpt2_eager", "hf_bert_sdpa")}
+
+
+def _as_left(twin: str, family: str, impl: str, sizes: dict[str, dict[str, Any]], *, padding: str = "",
+             stochastic: str = "") -> list[ModelSpec]:
+    """``twin``'s ``_defaults`` and ``_ckpt`` specs at ``sizes`` (the twin's, without its dropout
+    settings); ``stochastic``: why the config's default dropout makes training random ("" if it does not)."""
+    defaults, ckpt = AS_LEFT[twin]
+    what = f"{twin} as users leave it: config defaults (use_cache, dropout), HF's loss from labels="
+    return [
+        ModelSpec(defaults, what, _hf(family, impl, padding=padding, as_left=True), sizes, requires=("transformers",),
+                  stochastic=stochastic),
+        ModelSpec(ckpt, f"{what}, gradient checkpointing (training only)",
+                  _hf(family, impl, padding=padding, as_left=True, checkpointing=True), sizes, requires=("transformers",),
+                  modes=("train",), stochastic=stochastic),
+    ]
 
 
 def real_specs() -> list[ModelSpec]:
-    """The third-party models, in the order the real preset runs them (the most telling first)."""
+    """The third-party models, in the order the real preset runs them (the most telling first), each
+    twin of :data:`AS_LEFT` followed by its variants (which the real preset leaves out)."""
     hf = ("transformers",)
     decoders = [
         ModelSpec("hf_llama_eager", "HF LLaMA, eager attention (finfo.min causal bias), GQA 4:1, head dim 128",
-                 _hf("llama", "eager"), {"cpu-small": dict(_TINY_LLAMA),
-                                         "gpu-real": dict(_GPU_LLAMA, batch=4, seq=1024)}, requires=hf),
+                 _hf("llama", "eager"), _LLAMA, requires=hf),
         ModelSpec("hf_llama_eager_4k", "HF LLaMA, eager attention at T=4096, GQA 4:1, head dim 128 (training only)",
                  _hf("llama", "eager"), {"cpu-small": dict(_TINY_LLAMA, seq=128),
                                          "gpu-real": dict(_GPU_LLAMA, batch=1, seq=4096)},
@@ -153,18 +235,13 @@ def real_specs() -> list[ModelSpec]:
                  {"cpu-small": dict(_TINY_LLAMA, num_attention_heads=8, num_key_value_heads=1),
                   "gpu-real": dict(_GPU_LLAMA, num_key_value_heads=2, batch=4, seq=1024)}, requires=hf),
         ModelSpec("hf_llama_sdpa", "HF LLaMA, sdpa attention, GQA 4:1, head dim 128",
-                 _hf("llama", "sdpa"), {"cpu-small": dict(_TINY_LLAMA),
-                                        "gpu-real": dict(_GPU_LLAMA, batch=4, seq=1024)}, requires=hf),
+                 _hf("llama", "sdpa"), _LLAMA, requires=hf),
         ModelSpec("hf_mistral_eager", "HF Mistral, eager attention, sliding window (T/4), GQA 4:1",
                  _hf("mistral", "eager"),
                  {"cpu-small": dict(_TINY_LLAMA, head_dim=16, sliding_window=16),
                   "gpu-real": dict(_GPU_LLAMA, head_dim=128, sliding_window=512, batch=2, seq=2048)}, requires=hf),
         ModelSpec("hf_gpt2_eager", "HF GPT-2, eager attention, transformers' default dropout 0.1 (attention, residual, embedding)",
-                 _hf("gpt2", "eager"),
-                 {"cpu-small": dict(batch=2, seq=64, n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64),
-                  "gpu-real": dict(batch=8, seq=1024, n_layer=2, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)},
-                 requires=hf, stochastic="trains with transformers' default dropout 0.1 (attention, residual, embedding): "
-                                         "every backend draws its own random stream"),
+                 _hf("gpt2", "eager"), _GPT2, requires=hf, stochastic=_GPT2_DROPOUT),
         ModelSpec("hf_bloom", "HF BLOOM (ALiBi: per-head slope x distance bias through baddbmm), left-padded batch",
                  _hf("bloom", "eager", padding="left"),
                  {"cpu-small": dict(batch=2, seq=64, n_layer=2, hidden_size=64, n_head=4, vocab_size=128),
@@ -173,11 +250,7 @@ def real_specs() -> list[ModelSpec]:
     ]
     encoders = [
         ModelSpec(f"hf_bert_{impl}", f"HF BERT (masked LM), {impl} attention, right-padded batch via attention_mask",
-                 _hf("bert", impl, padding="right"),
-                 {"cpu-small": dict(_TINY, **_NO_DROPOUT_BERT, batch=4, seq=32, hidden_size=64, num_attention_heads=4,
-                                    intermediate_size=128),
-                  "gpu-real": dict(_NO_DROPOUT_BERT, num_hidden_layers=2, vocab_size=30522, batch=16, seq=512,
-                                   hidden_size=768, num_attention_heads=12, intermediate_size=3072)},
+                 _hf("bert", impl, padding="right"), {size: dict(c, **_NO_DROPOUT_BERT) for size, c in _BERT.items()},
                  requires=hf)
         for impl in ("eager", "sdpa")
     ]
@@ -202,4 +275,10 @@ def real_specs() -> list[ModelSpec]:
                  {"cpu-small": dict(batch=2, img=32, n_classes=10), "gpu-real": dict(batch=128, img=224, n_classes=1000)},
                  requires=("torchvision",)),
     ]
-    return decoders + encoders + seq2seq + vision
+    variants = {
+        "hf_llama_eager": _as_left("hf_llama_eager", "llama", "eager", _LLAMA),
+        "hf_llama_sdpa": _as_left("hf_llama_sdpa", "llama", "sdpa", _LLAMA),
+        "hf_gpt2_eager": _as_left("hf_gpt2_eager", "gpt2", "eager", _GPT2, stochastic=_GPT2_DROPOUT),
+        "hf_bert_sdpa": _as_left("hf_bert_sdpa", "bert", "sdpa", _BERT, padding="right", stochastic=_BERT_DROPOUT),
+    }
+    return [spec for twin in decoders + encoders + seq2seq + vision for spec in (twin, *variants.get(twin.name, ()))]
