@@ -68,6 +68,23 @@ def site(n: fx.Node) -> Site:
     return out
 
 
+def module_of(n: fx.Node) -> str:
+    """The user's module that ``n`` runs for: its own, else the nearest input's that has one
+    (a node a pass or the partitioner added carries no module of its own)."""
+    seen: set[fx.Node] = set()
+    queue = [n]
+    while queue:
+        m = queue.pop(0)
+        if m in seen or len(seen) > 64:
+            continue
+        seen.add(m)
+        path = site(m).get("module")
+        if path:
+            return str(path)
+        queue += [a for a in m.all_input_nodes if a.op != "placeholder"]
+    return ""
+
+
 def sites(gm: fx.GraphModule, names: Iterable[str]) -> list[Site]:
     """The sites of the nodes of ``gm`` named ``names`` (in that order); a name that is not
     a node of ``gm`` (``<graph>``) has none."""

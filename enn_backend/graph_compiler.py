@@ -324,12 +324,12 @@ class GraphCompiler:
         fp32 = self.fp32 if fp32 is None else fp32
         pins = self.pinned_now(extra_pins)
         base = self.fp32_gm() if fp32 else self.eager_gm
-        gm = E.pin_nodes(base, pins)
+        gm = E.pin_nodes(base, pins, ranges=self.opts.nvtx)
         gm, planted = E.plant_faults(gm, self.fault_specs, self.phase, skip=pins)
         if self.fault_specs and not quiet:  # a spec that planted nothing in the unit is reported
             self.fault_specs.graph_built(self, planted, pins)
         t0 = time.perf_counter()
-        compiled, path = self._compile_down(gm, lambda: E.pin_nodes(base, pins), planted)
+        compiled, path = self._compile_down(gm, lambda: E.pin_nodes(base, pins, ranges=self.opts.nvtx), planted)
         self.first_build = False
         # what the artifact really holds: nodes routed through enn::pinned (checked by tests)
         self._pinned_in[id(compiled)] = 0 if path == "eager" else sum(

@@ -37,7 +37,7 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in self.qkv(x).split(c, dim=-1))
         att = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        keep = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        keep = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
         y = (att.masked_fill(~keep, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(b, t, c)
         return y + self.down(F.gelu(self.up(y)))
 
@@ -78,6 +78,30 @@ def test_a_pinned_op_runs_in_its_range():
     plain = make_spec(torch.ops.aten.mm.default, template)
     assert "range" not in json.loads(plain)
     assert _enn_ranges(lambda: torch.ops.enn.pinned(plain, [a, b], [])) == []
+
+
+def test_an_op_the_guard_pins_runs_in_its_range(tmp_path, monkeypatch):
+    """A NaN planted in the forward GEMMs: the guard pins them, and the rebuilt graph runs each
+    pinned op in ``enn/pinned/aten.addmm <module path>`` (with option nvtx only)."""
+    monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ENN_FAULT_INJECT", "aten.addmm:nan:fwd")
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    opts = {"attention": False, "epilogue": False}
+    on = torch.compile(mlp, backend="enn", options={**opts, "nvtx": True})
+    with torch.no_grad():
+        for _ in range(3):  # the first call finds the fault and pins; later calls run pinned
+            got = on(x)
+        names = _enn_ranges(lambda: on(x))
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, mlp(x))
+        assert names == ["enn/pinned/aten.addmm 0", "enn/pinned/aten.addmm 2"], names
+        torch._dynamo.reset()
+        off = torch.compile(mlp, backend="enn", options=opts)
+        for _ in range(3):
+            off(x)
+        assert _enn_ranges(lambda: off(x)) == []
 
 
 def test_the_guards_hooks():
@@ -131,4 +155,45 @@ def test_gpu_fused_attention_and_epilogue_ranges():
         got = compiled(x)
         names = _enn_ranges(lambda: (compiled(x), torch.cuda.synchronize()))
     assert any(n.startswith("enn/attention/") and n.endswith(" layers.0") for n in names), names
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def _cuda_time_in_ranges(fn) -> dict[str, tuple[int, float]]:
+    """enn's ranges a profiled ``fn`` ran: name -> (times entered, device kernel ms inside)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out: dict[str, tuple[int, float]] = {}
+    for e in prof.key_averages():
+        if e.key.startswith("enn/"):
+            dev_us = getattr(e, "device_time_total", None)
+            out[e.key] = (e.count, (e.cuda_time_total if dev_us is None else dev_us) / 1e3)
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_a_pinned_op_and_fused_attention_are_ranges_with_their_kernels(tmp_path, monkeypatch):
+    """The guard on, a NaN planted in every forward addmm: the pinned GEMMs run in
+    ``enn/pinned/aten.addmm <module>`` ranges, the fused attention in ``enn/attention/...``,
+    each with the device kernels it launched inside (the table is printed: run with -s)."""
+    monkeypatch.setenv("ENN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ENN_FAULT_INJECT", "aten.addmm:nan:fwd")
+    torch.manual_seed(0)
+    model = Model().cuda().to(torch.bfloat16)
+    x = torch.randn(4, 256, 32, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="enn", options={"nvtx": True, "epilogue": False})
+    with torch.no_grad():
+        want = model(x)
+        for _ in range(3):  # the first call finds the fault and pins; later calls run pinned
+            got = compiled(x)
+        ranges = _cuda_time_in_ranges(lambda: compiled(x))
+    print("\nrange | entered | device ms inside")
+    for name, (count, ms) in sorted(ranges.items()):
+        print(f"{name} | {count} | {ms:.4f}")
+    pinned = [n for n in ranges if n.startswith("enn/pinned/aten.addmm layers.0.")]
+    assert pinned and all(ranges[n][1] > 0 for n in pinned), ranges
+    assert any(n.startswith("enn/attention/") and n.endswith(" layers.0") and ranges[n][1] > 0 for n in ranges), ranges
+    assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
+from .. import blame, nvtx
 from ..custom_ops import pinned as P
 from ..fault_spec import FaultSpec, target_names
 from ..fx_utils import CONVERT, copy_gm, fake_mode, refresh_all, retarget_dtypes, tensors_in, val, writes
@@ -108,10 +109,12 @@ def on_safe_paths(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-def pin_nodes(gm: fx.GraphModule, names: Iterable[str], reference: Iterable[str] = ()) -> fx.GraphModule:
+def pin_nodes(gm: fx.GraphModule, names: Iterable[str], reference: Iterable[str] = (),
+              ranges: bool = False) -> fx.GraphModule:
     """Copy of ``gm`` with the named nodes replaced by ``enn::pinned`` calls, each running its
     op's safe path, those also named in ``reference`` its reference path
-    (``custom_ops.pinned.reference_path``: what the guard's eager reference runs)."""
+    (``custom_ops.pinned.reference_path``: what the guard's eager reference runs). With ``ranges``
+    (option ``nvtx``) each runs inside its profiler range, ``enn/pinned/<op> <module path>``."""
     reference = set(reference)
     names = set(names)
     gm = copy_gm(gm)
@@ -130,7 +133,8 @@ def pin_nodes(gm: fx.GraphModule, names: Iterable[str], reference: Iterable[str]
             return isinstance(x, fx.Node) and isinstance(val(x), torch.SymInt)
 
         template, tensors, ints = P.encode_args(n.args, dict(n.kwargs), is_tensor, is_symint)
-        spec = P.make_spec(n.target, template, reference=n.name in reference)
+        name = nvtx.range_name("pinned", P.op_name(n.target).rsplit(".", 1)[0], blame.module_of(n)) if ranges else ""
+        spec = P.make_spec(n.target, template, range_name=name, reference=n.name in reference)
         with graph.inserting_before(n):
             p = graph.call_function(torch.ops.enn.pinned.default, (spec, tensors, ints))
         fake_args = ([val(t) for t in tensors], [val(i) for i in ints])

@@ -66,22 +66,6 @@ for _fwd, _kernel in (("_scaled_dot_product_cudnn_attention", "cudnn"), ("_scale
 _EMITTED_ONLY = {op for op in SITES if op.namespace == "aten"}
 
 
-def module_path(n: fx.Node) -> str:
-    """The user's module that ``n`` runs for: its own, else the nearest input's that has one."""
-    seen: set[fx.Node] = set()
-    queue = [n]
-    while queue:
-        m = queue.pop(0)
-        if m in seen or len(seen) > 64:
-            continue
-        seen.add(m)
-        path = blame.site(m).get("module")
-        if path:
-            return str(path)
-        queue += [a for a in m.all_input_nodes if a.op != "placeholder"]
-    return ""
-
-
 class NvtxPass(EnnPass):
     """Fused sites -> ``enn::ranged`` with the site's name (see the module doc)."""
 
@@ -97,7 +81,7 @@ class NvtxPass(EnnPass):
             if n.target in _EMITTED_ONLY and not n.meta.get(EMITTED):
                 continue
             kind, kernel = SITES[n.target](n)
-            if wrap_node(graph, n, range_name(kind, kernel, module_path(n))):
+            if wrap_node(graph, n, range_name(kind, kernel, blame.module_of(n))):
                 wrapped += 1
         if wrapped:
             graph.lint()
@@ -144,4 +128,4 @@ def wrap_node(graph: fx.Graph, n: fx.Node, name: str) -> bool:
     return True
 
 
-__all__ = ["NvtxPass", "SITES", "module_path", "wrap_node"]
+__all__ = ["NvtxPass", "SITES", "wrap_node"]
