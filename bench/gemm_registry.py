@@ -128,6 +128,7 @@ def run_config(shape: str, family: str, args, cache_dir: str) -> dict:
                 row[f"{name}_kernel"] = made[0]["choice"] if made else "inductor (no site)"
                 row[f"{name}_how"] = made[0].get("how", "rule") if made else ""
                 row[f"{name}_timings"] = made[0].get("timings_ms", {}) if made else {}
+                row[f"{name}_reason"] = made[0].get("reason", "") if made else ""
             fns[name] = functools.partial(c, x, w, b, r)
         samples = Timer(dev, rounds=args.rounds).measure(fns)
         for name, fn in fns.items():
