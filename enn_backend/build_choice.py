@@ -6,8 +6,14 @@ time: a C++ build of every wrapper, combined kernels that are autotuned. They pa
 graph whose step waits on the host. The rule (:func:`choose`):
 
     host_us   = kernels x PYTHON_WRAPPER_US_PER_KERNEL     (the Python wrapper's launch work)
-    host-bound  where  host_us >= HOST_SHARE x device_us   (the predicted kernel time)
+    host-bound  where  host_us >= share x device_us        (the predicted kernel time)
+    share     = HOST_SHARE for a training graph, HOST_SHARE_INFERENCE for an inference graph
     a host-bound graph gets enn's launch-saving defaults; any other is built without them.
+
+An inference graph is a step on its own: its launch work shows as idle time as soon as it
+outgrows its kernels. A forward or backward graph of a training step launches while the other
+half's kernels (and the optimizer's) are still queued, so more of its launch work hides behind
+them; the line sits higher.
 
 The rule is applied where :data:`APPLIED` is set, as it is by default. A graph built without
 the C++ wrapper inside a compile_fx that set the C++ wrapper's config is built with Inductor's
@@ -29,6 +35,10 @@ as every graph did before this rule. Calibrated on the real-model suite, H100 an
 bench/results/gpu-h200/compile_guard_variants_2026-11-28.log: ViT's graphs, host-bound by the
 step's 50-60% idle time, predict 0.046-0.051 kernels per microsecond of kernel time, GPT-2's and
 LLaMA's, GPU-bound at 1-3% idle, 0.009-0.024: the line falls between 11 and 20 us per kernel).
+Inference, H200 (bench/results/gpu-h200/real_infer_2026-11-28.md): BERT's graphs predict 0.027-0.028
+kernels per microsecond and idle 31-42% of the step under the Python wrapper (3-4% with the C++
+wrapper, 1.25-1.6x, gpu-h100/real_suite_c.md); GPT-2's predicts 0.022 and idles 3%, the decoders'
+0.010 and idle 4-7%: the line for inference falls between 0.022 and 0.027 kernels per microsecond.
 """
 
 from __future__ import annotations
@@ -43,7 +53,8 @@ from . import compat
 
 APPLIED = True  # see the module's docstring
 PYTHON_WRAPPER_US_PER_KERNEL = 15.0  # the Python wrapper's host work per launch, with its share of the step's (2.11)
-HOST_SHARE = 0.5  # host-bound: the launch work is at least this share of the kernel time
+HOST_SHARE = 0.5  # host-bound: the launch work is at least this share of the kernel time (training graphs)
+HOST_SHARE_INFERENCE = 0.35  # the same for an inference graph, a step on its own
 PEAK_FLOPS = {torch.bfloat16: 4e14, torch.float16: 4e14}  # per second, tensor cores (H100 class)
 PEAK_FLOPS_OTHER = 5e13  # other dtypes
 BYTES_PER_S = 2.5e12  # device memory (H100 class)
@@ -62,6 +73,7 @@ class HostEstimate:
 
     kernels: int
     device_us: float
+    inference: bool = False  # a graph that is a whole step (no other half of a training step)
 
     @property
     def host_us(self) -> float:
@@ -69,18 +81,25 @@ class HostEstimate:
 
     @property
     def host_bound(self) -> bool:
-        return choose(self.kernels, self.device_us)
+        return choose(self.kernels, self.device_us, self.inference)
 
     def reason(self) -> str:
         verdict = "host-bound" if self.host_bound else "not host-bound"
+        what = "an inference graph" if self.inference else "a training graph"
         return (f"{verdict}: ~{self.kernels} kernels x {PYTHON_WRAPPER_US_PER_KERNEL:g} us = {self.host_us:.0f} us of "
-                f"launch work against ~{self.device_us:.0f} us of predicted kernel time (the line: {HOST_SHARE:g}x)")
+                f"launch work against ~{self.device_us:.0f} us of predicted kernel time (the line for {what}: "
+                f"{share(self.inference):g}x)")
 
 
-def choose(kernels: int, device_us: float) -> bool:
+def share(inference: bool) -> float:
+    """The share of the predicted kernel time at which launch work makes a graph host-bound."""
+    return HOST_SHARE_INFERENCE if inference else HOST_SHARE
+
+
+def choose(kernels: int, device_us: float, inference: bool = False) -> bool:
     """Whether a graph of ``kernels`` launches and ``device_us`` of predicted kernel time is
     host-bound, so that enn's launch-saving options pay back their compile time."""
-    return kernels * PYTHON_WRAPPER_US_PER_KERNEL >= HOST_SHARE * device_us
+    return kernels * PYTHON_WRAPPER_US_PER_KERNEL >= share(inference) * device_us
 
 
 def for_graph(defaults: dict[str, Any], estimate_: HostEstimate) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -93,8 +112,9 @@ def for_graph(defaults: dict[str, Any], estimate_: HostEstimate) -> tuple[dict[s
     return kept, choice
 
 
-def estimate(gm: fx.GraphModule) -> HostEstimate:
-    """Predicted launches and kernel time of a post-AOT ATen graph (see the module's docstring)."""
+def estimate(gm: fx.GraphModule, inference: bool = False) -> HostEstimate:
+    """Predicted launches and kernel time of a post-AOT ATen graph (see the module's docstring);
+    ``inference``: the graph is a whole step (no backward)."""
     kernels, seconds = 0, 0.0
     for n in gm.graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) or _is_view(n):
@@ -110,7 +130,7 @@ def estimate(gm: fx.GraphModule) -> HostEstimate:
         else:
             kernels += 1
             seconds += (out + sum(_bytes(a.meta.get("val")) for a in _inputs(n))) / BYTES_PER_S
-    return HostEstimate(kernels, seconds * 1e6)
+    return HostEstimate(kernels, seconds * 1e6, inference)
 
 
 def _is_view(n: fx.Node) -> bool:

@@ -92,6 +92,25 @@ def test_the_host_bound_rule(kernels, device_us, host_bound):
     assert build_choice.choose(kernels, device_us) is host_bound
 
 
+@pytest.mark.parametrize("kernels, device_us, host_bound", [
+    # the inference graphs of the H200 run (real_infer_2026-11-28.md; estimates of the same graphs):
+    # BERT SDPA and eager (31-42% of the step idle under the Python wrapper), GPT-2 (3% idle),
+    # LLaMA and BLOOM (4-7% idle), T5 (48% idle under Inductor)
+    (45, 1604.0, True), (56, 2064.0, True),
+    (52, 2381.0, False), (34, 3267.0, False), (44, 4301.0, False), (103, 965.0, True),
+])
+def test_the_host_bound_rule_for_inference_graphs(kernels, device_us, host_bound):
+    assert build_choice.choose(kernels, device_us, inference=True) is host_bound
+    # a training graph of the same prediction: its launches overlap the other half of the step
+    assert not build_choice.choose(kernels, device_us) or kernels * 15.0 >= 0.5 * device_us
+
+
+def test_an_inference_graph_is_judged_by_the_inference_line():
+    est = build_choice.HostEstimate(kernels=45, device_us=1604.0, inference=True)
+    assert est.host_bound and "the line for an inference graph: 0.35x" in est.reason()
+    assert not build_choice.HostEstimate(kernels=45, device_us=1604.0).host_bound
+
+
 def test_where_the_rule_is_not_applied_it_is_recorded(monkeypatch):
     monkeypatch.setattr(build_choice, "APPLIED", False)
     defaults = {"cpp_wrapper": True, "combo_kernels": True, "other": 1}
@@ -193,6 +212,7 @@ def test_the_cpp_wrapper_goes_to_host_bound_graphs_only(monkeypatch):
     assert g_small.build_choices["options"] == {"cpp_wrapper": True}
     assert g_large.build_choices["options"] == {"cpp_wrapper": False}
     assert g_large.build_choices["reason"].startswith("not host-bound")
+    assert "the line for an inference graph" in g_large.build_choices["reason"]  # judged as a step on its own
     assert g_small.compile_phases.get(CompilePhase.CPP_WRAPPER.value, 0.0) > 0
     assert CompilePhase.CPP_WRAPPER.value not in g_large.compile_phases
     text = format_report(enn_backend.report().to_dict())
