@@ -184,7 +184,7 @@ def test_measured_choices_are_cached_for_the_next_compile(tmp_path, monkeypatch)
     with torch.no_grad():
         torch.compile(model, backend="enn", options=opts)(x)
     first = [c for g in enn_backend.report().graphs for c in g.kernel_choices if c.get("act") == "residual"]
-    assert [c.get("how") for c in first] in (["measured"], [None])  # None: the un-fused path won (not recorded as fused)
+    assert [c.get("how") for c in first] == ["measured"] and first[0]["timings_ms"]  # whichever kernel won
     assert "residual" in [e.key.epilogue for e in C.ChoiceCache(str(tmp_path / C.FILE_NAME)).entries()]
     C.forget_loaded_caches()
     monkeypatch.setattr(M, "measure", lambda *a: pytest.fail("measured again"))
@@ -194,3 +194,18 @@ def test_measured_choices_are_cached_for_the_next_compile(tmp_path, monkeypatch)
         torch.compile(model, backend="enn", options=opts)(x)
     again = [c for g in enn_backend.report().graphs for c in g.kernel_choices if c.get("act") == "residual"]
     assert [c["choice"] for c in again] == [c["choice"] for c in first]
+    assert [c["how"] for c in again] == ["cached"]
+
+
+@pytest.mark.skipif(not P.hw_caps("cpu").onednn_bf16, reason="needs oneDNN's native bf16 GEMM")
+def test_a_site_measurement_leaves_to_inductor_is_reported_as_measured(monkeypatch):
+    """The un-fused path wins the measurement: the site stays Inductor's, and the report says
+    it was measured, with the times (not a rule's decline)."""
+    monkeypatch.setattr(M, "measure", lambda runs, device, budget: {k: 1.0 if k == "inductor" else 2.0 for k in runs})
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU()).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    run = run_passes(model, (x,), ["epilogue"], training=False, options={"measure_ms": 10})
+    assert_ops(run.after, present=[aten.addmm], absent=[enn.gemm_bias_act])
+    (c,) = run.choices
+    assert c["choice"] == "inductor" and c["how"] == "measured", c
+    assert c["timings_ms"] == {"inductor": 1.0, "onednn": 2.0} and "measured:" in c["reason"]

@@ -279,18 +279,19 @@ class EpiloguePass(EnnPass):
             if m is None:
                 continue
             ok, reason, choice = self.decide(m)
+            # how the choice was made (measured, cached) and its times, whichever kernel won
+            how = {"how": choice.how, "timings_ms": dict(choice.timings_ms)} if choice and choice.how != "rule" else {}
             if not ok:
                 log.debug("enn epilogue: declined %s -> %s at %s: %s", n.name, m.family, m.out.name, reason)
-                ctx.kernel_choice(m.out, "inductor", f"epilogue declined: {reason}", act=m.family)
+                ctx.kernel_choice(m.out, "inductor", f"epilogue declined: {reason}", act=m.family, **how)
                 if choice is not None and choice.actionable:
                     skipped.setdefault(reason, []).append(m.out)
                 continue
             new = rewrite(graph, m, choice.kernel)
             matches += 1
             ctx.fusion("epilogue")
-            extra = {"how": choice.how, "timings_ms": dict(choice.timings_ms)} if choice.how != "rule" else {}
             ctx.kernel_choice(new, choice.kernel.value, choice.reason, act=m.family,
-                              dtype=str(val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name, **extra)
+                              dtype=str(val(m.src.gemm).dtype).removeprefix("torch."), replaced=m.out.name, **how)
             log.debug("enn epilogue: %s + %s (%s) -> %s [%s]", n.name, m.family, m.out.name, new.name, choice.kernel)
         for reason, nodes in skipped.items():
             ctx.fallback(FallbackKind.PASS_SKIPPED, nodes, reason=f"epilogue fusion declined for {len(nodes)} GEMM(s): {reason}",
