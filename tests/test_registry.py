@@ -7,8 +7,10 @@ import dataclasses
 import enum
 import json
 import logging
+import math
 import os
 import shlex
+import time
 
 import pytest
 import torch
@@ -134,6 +136,21 @@ def test_measurement_table(fake_clock, times, eligible, chosen, how):
     s = R.select(_toy_policy(times, eligible), None, measurement=R.Measurement(10))
     assert (s.kernel, s.how) == (chosen, how)
     assert set(s.timings_ms) <= set(eligible)
+
+
+def test_a_sample_times_the_candidate_back_to_back(monkeypatch):
+    """A sample is as many calls as fill SAMPLE_MS, timed together and counted per call: a
+    0.2 ms call is timed in samples of 5, and its time is one call's."""
+    calls: list[int] = []
+
+    def candidate() -> None:
+        calls.append(1)
+        time.sleep(0.0002)
+
+    timed = M.time_ms(candidate, "cpu", budget_ms=30)
+    assert timed is not None and 0.15 <= timed < 1.0, timed
+    per_sample = math.ceil(M.SAMPLE_MS / 0.2)
+    assert len(calls) >= 2 + M.MIN_RUNS * (per_sample - 1), len(calls)  # warm-up, one sizing call, the samples
 
 
 def test_measurement_off_is_the_rule(fake_clock):

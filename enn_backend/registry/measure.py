@@ -4,8 +4,12 @@ A candidate is a zero-argument callable that runs the kernel once on inputs of t
 dtype and device (the op's policy builds it). Rules:
 
 - Each candidate gets an equal share of the budget; it runs once to warm up (its first call may
-  compile or allocate), then at least ``MIN_RUNS`` timed runs and more while its share lasts.
-  Its time is the median. On CUDA the runs are timed with events, on a synchronized stream.
+  compile or allocate), then at least ``MIN_RUNS`` timed samples and more while its share lasts.
+  A sample runs the candidate back to back for about ``SAMPLE_MS`` (as many calls as fit, from
+  one timed call) and counts its time per call, so that one call's launch latency and the
+  timer's own resolution are not in it: a kernel of tens of microseconds is timed as the device
+  runs it in a step, not as one call waited on. Its time is the median. On CUDA the samples are
+  timed with events, on a synchronized stream.
 - A candidate that raises is out of the race (its error is logged); so is one whose warm-up alone
   spends more than ``WARMUP_SHARES`` times the candidate's share (too slow to time within the
   budget; a first call's one-time set-up below that is allowed).
@@ -16,6 +20,7 @@ dtype and device (the op's policy builds it). Rules:
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from typing import Any, Callable
@@ -28,6 +33,8 @@ log = logging.getLogger(__name__)
 
 MIN_RUNS = 3
 MAX_RUNS = 50
+SAMPLE_MS = 1.0  # a sample's length: calls back to back (at most MAX_CALLS_PER_SAMPLE)
+MAX_CALLS_PER_SAMPLE = 100
 WARMUP_SHARES = 10
 MARGIN = 0.03  # another kernel must be >3% faster than the rule's choice to replace it
 
@@ -62,10 +69,16 @@ def time_ms(fn: Callable[[], Any], device_type: str, budget_ms: float) -> float 
             log.info("enn registry: warm-up took %.1f ms, over %d times its share of %.1f ms: not timed", warm_ms,
                      WARMUP_SHARES, budget_ms)
             return None
+        calls = max(1, min(MAX_CALLS_PER_SAMPLE, math.ceil(SAMPLE_MS / max(run_ms(fn, device_type), 1e-3))))
+
+        def sample() -> None:
+            for _ in range(calls):
+                fn()
+
         samples: list[float] = []
         start = time.perf_counter()
         while len(samples) < MIN_RUNS or (len(samples) < MAX_RUNS and 1e3 * (time.perf_counter() - start) < budget_ms):
-            samples.append(run_ms(fn, device_type))
+            samples.append(run_ms(sample, device_type) / calls)
         return statistics.median(samples)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails here is simply not chosen
         log.info("enn registry: candidate raised while timed (%s: %s)", type(exc).__name__, str(exc)[:200])
