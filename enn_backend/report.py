@@ -85,6 +85,7 @@ class Count(str, enum.Enum):
     DYNAMO_REFERENCE_OUTLIER = "guard.dynamo_reference_outlier"  # the Dynamo graph was the outlier
     DYNAMO_REFERENCE_COPIES_ALL = "guard.dynamo_reference_copies_all"  # a check that copied every input and attribute
     DYNAMO_BACKWARD_CHECKS = "guard.dynamo_backward_checks"  # backwards compared with the Dynamo graph's
+    DYNAMO_BACKWARD_UNJUDGED = "guard.dynamo_backward_unjudged"  # ... whose reference gradients could not be computed
     AOT_CACHE_HITS = "aot_cache.hits"
     AOT_CACHE_REFUSED = "aot_cache.refused"
     AOT_CACHE_CORRUPT_SIDECAR = "aot_cache.corrupt_sidecar"

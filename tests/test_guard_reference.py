@@ -331,3 +331,84 @@ def test_fp64_run_computes_cuda_attention_kernels_by_math(kernel):
     logits = torch.einsum("bhqd,bhkd->bhqk", q, k) / 4.0 + (bias if kernel != "flash" else
                                                             torch.full((40, 40), float("-inf")).triu(1))
     torch.testing.assert_close(lse.reshape(2, 4, -1)[..., :40].double(), logits.logsumexp(-1), rtol=1e-6, atol=1e-6)
+
+
+class _Region(torch.nn.Module):
+    """A residual MLP block whose forward is a nested compile region (invoke_subgraph)."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.ln, self.up, self.down = torch.nn.LayerNorm(d), torch.nn.Linear(d, 2 * d), torch.nn.Linear(2 * d, d)
+
+    @torch.compiler.nested_compile_region
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.up(self.ln(x))))
+
+
+def test_nested_compile_regions_are_inlined_for_the_dynamo_reference(monkeypatch):
+    """The reference runs the Dynamo graph eagerly with autograd; its invoke_subgraph calls are
+    inlined first (2.13's eager invoke_subgraph has no autograd), so the backward is compared."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Region(), _Region())
+    x = torch.randn(4, 16, requires_grad=True)
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append(compat.copy_dynamo_graph(gm))
+        return gm.forward
+
+    torch.compile(model, backend=capture)(x)
+    hop = torch.ops.higher_order.invoke_subgraph
+    (gm,) = captured
+    assert sum(n.target is hop for n in gm.graph.nodes) == 2
+    inlined = fx_utils.inline_subgraph_calls(gm)
+    assert not any(n.target is hop for n in inlined.graph.nodes)
+    from enn_backend.guard.dynamo_reference import DynamoReference
+
+    computed: list[int] = []  # reference gradients computed (2.13 without the inlining: raised)
+    gradients = DynamoReference._gradients
+
+    def spy(*args):
+        grads = gradients(*args)
+        computed.append(len(grads))
+        return grads
+
+    monkeypatch.setattr(DynamoReference, "_gradients", staticmethod(spy))
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="enn")
+    f(x).sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    counters = enn_backend.report().to_dict()["counters"]
+    assert counters.get("guard.dynamo_backward_checks", 0) >= 1 and "guard.dynamo_backward_unjudged" not in counters
+    assert computed, "the backward was not compared with the Dynamo graph's gradients"
+    for a, p in zip(got, model.parameters()):
+        torch.testing.assert_close(a, p.grad)
+
+
+def test_wrong_gradients_of_reused_compile_regions_are_caught(monkeypatch):
+    """HF LLaMA with its decoder layers as nested compile regions (two layers, one region reused):
+    AOT Autograd's backward of the reused region is wrong on torch 2.13-2.14 (Inductor alone:
+    gradients off by 500x); enn's reference, the Dynamo graph with the regions inlined, finds
+    it and the step gets eager's gradients, with a dynamo_graph line."""
+    LM = pytest.importorskip("transformers.models.llama.modeling_llama")
+
+    from enn_backend.models.real import real_specs
+
+    monkeypatch.setattr(LM.LlamaDecoderLayer, "forward",
+                        torch.compiler.nested_compile_region(LM.LlamaDecoderLayer.forward))
+    spec = next(s for s in real_specs() if s.name == "hf_llama_sdpa")
+    torch.manual_seed(0)
+    entry = spec.builder(torch.device("cpu"), **{**spec.sizes["cpu-small"], "seq": 16, "hidden_size": 32,
+                                                 "num_attention_heads": 2, "num_key_value_heads": 1,
+                                                 "intermediate_size": 64})
+    batch, model = entry.make_inputs(0), entry.model
+    entry.loss_fn(torch.compile(model, backend="enn")(*batch.args), batch.target).backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    entry.loss_fn(model(*batch.args), batch.target).backward()
+    for a, p in zip(got, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-5)
+    kinds = [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]]
+    assert kinds in ([], ["dynamo_graph"]), kinds  # [] on a torch whose reused region is right

@@ -59,7 +59,7 @@ import torch
 import torch.fx as fx
 
 from .. import compat
-from ..fx_utils import LOW_PRECISION, retarget_dtypes
+from ..fx_utils import LOW_PRECISION, inline_subgraph_calls, retarget_dtypes
 from ..report import Count, FallbackKind, report
 from .calls import LADDER, EnnGuardError, RngSnapshot, distributed, flat_args
 from .screen import compiled_is_worse, diverging, outputs
@@ -189,7 +189,8 @@ class DynamoReference:
 
     def __init__(self, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str,
                  metadata: Any = None) -> None:
-        self.compiled, self.gm, self.opts, self.unit = compiled, gm, opts, unit
+        # the reference runs eagerly, with autograd: nested compile regions inlined (fx_utils)
+        self.compiled, self.gm, self.opts, self.unit = compiled, inline_subgraph_calls(gm), opts, unit
         self.calls = 0
         self.state = _module_state(gm)
         self.writes = Writes.of(gm, self.state, metadata)  # what the unit writes (AOT Autograd's metadata)
@@ -446,7 +447,9 @@ class DynamoReference:
         try:
             ref = self._gradients(ref_outs, leaves, cotangents)
         except Exception as exc:  # noqa: BLE001
-            log.info("enn: unit %s: no backward reference (%s: %s)", self.unit, type(exc).__name__, exc)
+            report().count(Count.DYNAMO_BACKWARD_UNJUDGED)
+            log.warning("enn: unit %s: the backward was not compared with the Dynamo graph's gradients (%s: %s)",
+                        self.unit, type(exc).__name__, exc)
             return None
         got = [grad_inputs[k] if grad_inputs[k] is not None else torch.zeros_like(r) for (k, _), r in zip(targets, ref)]
         off, wrong = self._judge(got, ref, fp64)
