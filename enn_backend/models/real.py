@@ -12,7 +12,7 @@ leave alone, so that one step is a deterministic whole-sequence forward with the
 - dropout is off (set to 0 in the config, visibly), except where a spec says ``stochastic``:
   GPT-2 trains with transformers' default dropouts (0.1 on attention, residual and embeddings).
 
-The specs ending in ``_defaults`` and ``_ckpt`` (issue 41) run a model as users leave it, next to
+The specs ending in ``_defaults`` and ``_ckpt`` run a model as users leave it, next to
 the spec they are named after (its *twin*, same sizes), to measure what those three settings hide:
 the config keeps its defaults (only sizes and the special token ids are chosen; ``use_cache`` and
 dropout are the config's, so a model whose config drops out is ``stochastic``), and the model
