@@ -175,39 +175,49 @@ def inline_subgraph_calls(gm: fx.GraphModule) -> fx.GraphModule:
     if hop is None or not any(n.target is hop for n in gm.graph.nodes):
         return gm
     graph = gm.graph
-    for call in [n for n in graph.nodes if n.target is hop]:
-        sub = getattr(gm, call.args[0].target) if call.args[0].op == "get_attr" else call.args[0]
-        env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], call.args[2:]))
-        results: Any = None
-        with graph.inserting_before(call):
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    results = fx.map_arg(n.args[0], lambda a: env[a])
-                    break
-                if n.op == "get_attr":  # the subgraph's own attribute, kept under a unique name
-                    name = f"{call.name}_{n.target.replace('.', '_')}"
-                    setattr(gm, name, getattr(sub, n.target))
-                    env[n] = graph.get_attr(name)
-                    continue
-                env[n] = graph.node_copy(n, lambda a: env[a])
-        outs = list(results) if isinstance(results, (tuple, list)) else [results]
-        for user in list(call.users):
-            if user.target is operator.getitem:
-                user.replace_all_uses_with(outs[user.args[1]])
-                graph.erase_node(user)
-        if call.users:  # the tuple itself used whole
-            with graph.inserting_before(call):
-                whole = graph.call_function(tuple, (outs,))
-            call.replace_all_uses_with(whole)
-        holder = call.args[0]
-        graph.erase_node(call)
-        if isinstance(holder, fx.Node) and holder.op == "get_attr" and not holder.users:
-            graph.erase_node(holder)
+    while True:  # a region inside a region comes up once its outer region is inlined
+        calls = [n for n in graph.nodes if n.target is hop]
+        if not calls:
+            break
+        for call in calls:
+            _inline_call(gm, call)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _inline_call(gm: fx.GraphModule, call: fx.Node) -> None:
+    """Replace one ``invoke_subgraph`` call of ``gm`` by its subgraph's nodes."""
+    graph = gm.graph
+    sub = operator.attrgetter(call.args[0].target)(gm) if call.args[0].op == "get_attr" else call.args[0]
+    env = dict(zip([p for p in sub.graph.nodes if p.op == "placeholder"], call.args[2:]))
+    results: Any = None
+    with graph.inserting_before(call):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                results = fx.map_arg(n.args[0], lambda a: env[a])
+                break
+            if n.op == "get_attr":  # the subgraph's own attribute, kept under a unique name
+                name = f"{call.name}_{n.target.replace('.', '_')}"
+                setattr(gm, name, operator.attrgetter(n.target)(sub))
+                env[n] = graph.get_attr(name)
+                continue
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    outs = list(results) if isinstance(results, (tuple, list)) else [results]
+    for user in list(call.users):
+        if user.target is operator.getitem:
+            user.replace_all_uses_with(outs[user.args[1]])
+            graph.erase_node(user)
+    if call.users:  # the tuple itself used whole
+        with graph.inserting_before(call):
+            whole = graph.call_function(tuple, (outs,))
+        call.replace_all_uses_with(whole)
+    holder = call.args[0]
+    graph.erase_node(call)
+    if isinstance(holder, fx.Node) and holder.op == "get_attr" and not holder.users:
+        graph.erase_node(holder)
 
 
 def refresh_all(gm: fx.GraphModule) -> None:
