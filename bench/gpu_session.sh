@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install enn (no network there), then run the named stages.
-#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision tests checks bench real realdefaults demo)
+#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision registry tests checks bench real realdefaults demo)
 # Each stage's output goes to $OUT/<stage>.log and its JSON to $OUT. The tools run through the
 # front door (python -m enn_backend bench --tool NAME ARGS = python bench/NAME.py ARGS).
 set -u
@@ -16,6 +16,8 @@ for stage in "$@"; do
     epilogue)  python3 -m enn_backend bench --tool gpu_epilogue ;;
     attention) python3 -m enn_backend bench --tool gpu_attention ;;
     precision) python3 -m enn_backend bench --tool gpu_precision ;;
+    # the registry's GEMM choices against the rules' and Inductor's, every shape and family (about 5 minutes)
+    registry)  OUT="$OUT" python3 -m enn_backend bench --tool gemm_registry --rounds 11 --budget-s 300 ;;
     tests)     python3 -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests/ ;;
     # the correctness checks that were scripts here, as GPU tests (bench/README.md, "Correctness checks")
     checks)    python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_hf_sweep.py tests/test_guard_hidden_nan.py \
