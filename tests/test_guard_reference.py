@@ -412,3 +412,25 @@ def test_wrong_gradients_of_reused_compile_regions_are_caught(monkeypatch):
         torch.testing.assert_close(a, p.grad, rtol=1e-4, atol=1e-5)
     kinds = [f["kind"] for f in enn_backend.report().to_dict()["fallbacks"]]
     assert kinds in ([], ["dynamo_graph"]), kinds  # [] on a torch whose reused region is right
+
+
+def test_a_backward_that_cannot_be_compared_is_counted_and_warned_once(monkeypatch, caplog):
+    """The reference's gradients raise: every such backward is counted, the first one warned."""
+    import logging
+
+    from enn_backend.guard.dynamo_reference import DynamoReference
+
+    def no_gradients(*args):
+        raise RuntimeError("no reference gradients here")
+
+    monkeypatch.setattr(DynamoReference, "_gradients", staticmethod(no_gradients))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    f = torch.compile(model, backend="enn", options={"guard_values": 1})
+    with caplog.at_level(logging.WARNING, logger="enn_backend"):
+        for _ in range(3):
+            f(x).sum().backward()
+    counted = enn_backend.report().to_dict()["counters"].get("guard.dynamo_backward_unjudged", 0)
+    warned = [r for r in caplog.records if "not compared with the Dynamo graph's gradients" in r.getMessage()]
+    assert counted >= 2 and len(warned) == 1, (counted, [r.getMessage() for r in warned])

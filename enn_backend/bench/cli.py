@@ -60,7 +60,7 @@ _AS_LEFT_VARIANTS = {v for variants in AS_LEFT.values() for v in variants}
 REAL_PRESET = dict(models=[m for m in models.names("real") if m not in _AS_LEFT_VARIANTS], modes=["train", "infer"],
                    backends=["eager", "inductor", "enn"], warm_compile=False, host_vs_kernel=True)
 
-# real-defaults (issue 41): each twin of AS_LEFT followed by its _defaults and _ckpt variants, so
+# real-defaults: each twin of AS_LEFT followed by its _defaults and _ckpt variants, so
 # that each pair sits side by side; the real preset's timing, enn against Inductor only (eager's
 # timing would cost about a workload's time over the run). Its 20 workloads take longer than 7
 # minutes on one H200 (about 9 by the real preset's times per workload), so the budget, as the real

@@ -202,6 +202,7 @@ class DynamoReference:
         # the first call that is not a bare call of the compiled unit (a sampled one, or every
         # call once the unit runs eagerly); the calls before it cost one comparison
         self.due = 1
+        self.unjudged_said = False  # a backward that could not be compared: warned once per unit
 
     @classmethod
     def wrap(cls, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str,
@@ -447,9 +448,11 @@ class DynamoReference:
         try:
             ref = self._gradients(ref_outs, leaves, cotangents)
         except Exception as exc:  # noqa: BLE001
-            report().count(Count.DYNAMO_BACKWARD_UNJUDGED)
-            log.warning("enn: unit %s: the backward was not compared with the Dynamo graph's gradients (%s: %s)",
-                        self.unit, type(exc).__name__, exc)
+            report().count(Count.DYNAMO_BACKWARD_UNJUDGED)  # every time; the warning once per unit
+            if not self.unjudged_said:
+                self.unjudged_said = True
+                log.warning("enn: unit %s: a backward was not compared with the Dynamo graph's gradients (%s: %s); "
+                            "counted as guard.dynamo_backward_unjudged", self.unit, type(exc).__name__, exc)
             return None
         got = [grad_inputs[k] if grad_inputs[k] is not None else torch.zeros_like(r) for (k, _), r in zip(targets, ref)]
         off, wrong = self._judge(got, ref, fp64)
