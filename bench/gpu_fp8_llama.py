@@ -6,14 +6,19 @@ backward, fused AdamW) under enn with ``fp8`` off, rowwise and tensorwise, guard
 
 Prints, and writes to DIR/fp8_llama.md (DIR: --out, else $OUT): step time per variant (median
 of interleaved rounds, spread), speedup over enn bf16, loss after the timed steps, how many GEMMs
-each variant ran in FP8 and why the others did not, fallback lines, peak memory.
+each variant ran in FP8 and why the others did not, how its FP8 GEMMs were compiled (lowered by
+enn's ``enn::fp8_mm`` lowering: fused quantization kernels and one scaled GEMM each; or extern
+calls of the op's eager kernel; or pinned by the guard to the bf16 GEMM), with the reason of each
+lowering fallback, fallback lines, peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
+import re
 import statistics
 import time
 
@@ -66,6 +71,48 @@ def fp8_summary() -> tuple[int, int, dict[str, int]]:
     return fp8, seen, dict(why)
 
 
+@contextlib.contextmanager
+def generated_code(sink: list[str]):
+    """Append the output code of every graph Inductor generates (or loads from its FX graph
+    cache) meanwhile to ``sink``, one entry per graph (what ``run_and_get_code`` reads)."""
+    from torch._inductor.graph import GraphLowering  # Inductor's internals: its output code (no public API)
+
+    old = GraphLowering.save_output_code
+
+    def save(code: str) -> None:
+        sink.append(code)
+        if old is not None:
+            old(code)
+
+    GraphLowering.save_output_code = save
+    try:
+        yield
+    finally:
+        GraphLowering.save_output_code = old
+
+
+def fp8_compiled(codes: list[str], fp8: int) -> dict[str, int | None]:
+    """How the ``fp8`` FP8 GEMMs of a variant were compiled, from its generated code: ``extern``
+    (calls of the op's eager kernel, ``torch.ops.enn.fp8_mm``), ``pinned`` (the guard's
+    ``enn::pinned`` safe path: the bf16 GEMM), ``lowered`` (the others: enn's lowering), and
+    ``scaled_mm_calls`` (extern ``_scaled_mm`` calls; a GEMM Inductor gave to a Triton template
+    is a template kernel instead). Every graph generated for the variant counts, a guard's
+    recompiles too. All None where no generated code was seen (nothing to count from)."""
+    if not codes:
+        return {"lowered": None, "extern": None, "pinned": None, "scaled_mm_calls": None}
+    extern = sum(len(re.findall(r"torch\.ops\.enn\.fp8_mm\.default\(", c)) for c in codes)
+    pinned = sum(c.count('"op": "enn.fp8_mm.default"') for c in codes)
+    scaled = sum(c.count("extern_kernels._scaled_mm(") for c in codes)
+    return {"lowered": max(fp8 - extern - pinned, 0), "extern": extern, "pinned": pinned, "scaled_mm_calls": scaled}
+
+
+def lowering_fallbacks() -> set[str]:
+    """The reasons enn's enn::fp8_mm lowering fell back to the extern op so far in this process."""
+    from enn_backend.lowerings import fp8 as lowering
+
+    return set(lowering.fallback_reasons())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--t", type=int, default=2048)
@@ -85,29 +132,41 @@ def main() -> None:
         t0 = time.time()
         model = llama(args.t, args.layers)
         step, last = train_step(compile_with(model, {"backend": "enn", "options": {"fp8": variant}}), ids)
-        step()
+        codes: list[str] = []
+        known = lowering_fallbacks()
+        with generated_code(codes):  # the compile happens in the first step (the backward's in its backward)
+            step()
         torch.cuda.synchronize()
         fp8, seen, why = fp8_summary()
+        how = fp8_compiled(codes, fp8)
+        not_lowered = sorted(lowering_fallbacks() - known)
         falls = [f"{f.kind}: {f.reason[:120]}" for f in enn_backend.report().fallbacks]
         info[variant] = {"compile_s": time.time() - t0, "fp8": fp8, "seen": seen, "why": why, "fallbacks": falls,
-                         "last": last}
+                         "last": last, "how": how, "not_lowered": not_lowered}
         fns[variant] = step
         print(f"  {variant}: compiled + first step {time.time() - t0:.0f}s; FP8 GEMMs {fp8}/{seen}; others {why}; "
+              f"enn.fp8_mm lowered {how['lowered']}, extern calls {how['extern']}, pinned {how['pinned']} "
+              f"({how['scaled_mm_calls']} extern _scaled_mm calls, {len(codes)} graph(s)); "
               f"{len(falls)} fallback line(s)", flush=True)
+        for reason in not_lowered:
+            print(f"    enn.fp8_mm not lowered: {reason}", flush=True)
     torch.cuda.reset_peak_memory_stats()
     samples = Timer("cuda", rounds=args.rounds).measure(fns)
     base = statistics.median(samples["off"]) if "off" in samples else None
-    lines = [head, "", "| fp8 | step ms (median) | spread | vs enn bf16 | loss | FP8 GEMMs | others stayed because | fallbacks |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| fp8 | step ms (median) | spread | vs enn bf16 | loss | FP8 GEMMs | others stayed because | "
+                       "enn.fp8_mm lowered / extern / pinned | fallbacks |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for variant, s in samples.items():
         med = statistics.median(s)
         i = info[variant]
         ratio = f"{base / med:.3f}x" if base else "-"
         lines.append(f"| {variant} | {med:.2f} | {min(s):.2f}-{max(s):.2f} | {ratio} | {float(i['last']['loss']):.4f} | "
-                     f"{i['fp8']}/{i['seen']} | {i['why']} | {len(i['fallbacks'])} |")
+                     f"{i['fp8']}/{i['seen']} | {i['why']} | {i['how']['lowered']} / {i['how']['extern']} / "
+                     f"{i['how']['pinned']} | {len(i['fallbacks'])} |")
     lines += ["", f"peak memory (all variants resident): {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB", ""]
     for variant, i in info.items():
         lines += [f"fallbacks under fp8={variant}:"] + [f"  {f}" for f in i["fallbacks"][:12]]
+        lines += [f"  enn.fp8_mm not lowered: {r}" for r in i["not_lowered"]]
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:

@@ -15,10 +15,11 @@ from typing import Any, Callable, Iterator
 import enn_backend.custom_ops  # noqa: F401  (registers the ops the lowerings name)
 from enn_backend import compat
 
-from . import faults, gemm, precision
+from . import faults, fp8, gemm, precision
 
 # op -> lowering(*args, **kwargs) returning Inductor IR; one module per family of enn ops
-LOWERINGS: dict[Any, Callable[..., Any]] = {**faults.LOWERINGS, **precision.LOWERINGS, **gemm.LOWERINGS}
+LOWERINGS: dict[Any, Callable[..., Any]] = {**faults.LOWERINGS, **precision.LOWERINGS, **gemm.LOWERINGS,
+                                             **fp8.LOWERINGS}
 
 
 @contextlib.contextmanager

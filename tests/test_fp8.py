@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 import enn_backend
+from enn_backend import compat
 from enn_backend.custom_ops import fp8 as F8
 from enn_backend.options import Options, OptionsError
 from enn_backend.passes import fp8 as P
@@ -297,3 +298,185 @@ def test_fp8_kernel_state_is_keyed_by_the_layer_not_by_the_shape():
         keys.setdefault(node_key(n), []).append(n.name)
     assert sorted(k.rsplit("|", 1)[1] for k in keys) == ["layer=layers.1", "layer=layers.4"], keys
     assert all(len(names) == 3 for names in keys.values()), keys  # forward + two gradient GEMMs each
+
+
+# ----------------------------------------------------------------- the lowering (lowerings/fp8.py)
+class Pair(nn.Module):
+    """Two FP8 linear layers (``l1``, ``l2``) between a first and a last layer the pass keeps in
+    their dtype. Those two have no bias, so that they are the same ``mm`` compiled and eager and
+    the FP8 layers see the same operands in both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(32, 64, bias=False)
+        self.l1 = nn.Linear(64, 64)
+        self.l2 = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = torch.relu(self.l1(h))
+        h = torch.relu(self.l2(h))
+        return self.out(h)
+
+
+def _pair_eager(m: Pair, x: torch.Tensor, recipe: str) -> torch.Tensor:
+    """:class:`Pair` with its two FP8 layers as eager ``enn::fp8_mm`` calls (the op's own kernel and autograd)."""
+    h = torch.relu(m.inp(x))
+    for layer in (m.l1, m.l2):
+        y = enn.fp8_mm(h.reshape(-1, h.shape[-1]), layer.weight.t(), layer.bias, recipe, "e4m3", "e4m3")
+        h = torch.relu(y.reshape(*h.shape[:-1], -1))
+    return m.out(h)
+
+
+def _skip_unless_cpu_runs(dtype: torch.dtype, recipe: str) -> None:
+    ok, why = F8.cpu_scaled_mm_works(dtype, recipe)
+    if not ok:
+        pytest.skip(f"this torch's CPU _scaled_mm cannot run {recipe} with {dtype} results: {why}")
+
+
+def _compiled_code(fn):
+    """``(fn(), Inductor's output code of every graph compiled meanwhile)``."""
+    from torch._inductor.utils import run_and_get_code
+
+    return run_and_get_code(fn)
+
+
+def _assert_lowered(codes: list[str], gemms: int) -> None:
+    """The generated code of a graph holding ``gemms`` lowered enn::fp8_mm: no extern call of the
+    op, one ``_scaled_mm`` per GEMM, and the quantization (abs, amax, scale, clamp, cast to FP8)
+    inside generated C++ kernels, not as ATen calls."""
+    import re
+
+    assert not any("torch.ops.enn.fp8_mm" in c for c in codes)
+    assert sum(c.count("extern_kernels._scaled_mm(") for c in codes) == gemms
+    kernels = [k for c in codes for k in re.findall(r"async_compile\.cpp_pybinding\(.*?'''\)", c, re.S)]
+    assert sum("Float8_e4m3fn" in k for k in kernels) >= 1  # the casts to FP8 are generated code
+    called = {name for c in codes for name in re.findall(r"extern_kernels\.(\w+)\(", c)}
+    assert called <= {"mm", "addmm", "_scaled_mm"}, called
+    assert not any("torch.ops.aten." in c for c in codes)  # no quantization step left to eager ATen
+
+
+@pytest.mark.parametrize("recipe", F8.RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lowered_fp8_layers_equal_the_eager_op(recipe, dtype):
+    """A model with two FP8 linear layers compiled by enn: the FP8 GEMMs are lowered (quantization
+    in generated kernels, one ``_scaled_mm`` each) and the forward result and every gradient are
+    those of the eager ``enn::fp8_mm`` op (bitwise here; up to fp32 summation order for a bias
+    gradient, which Inductor reduces in its own order)."""
+    _skip_unless_cpu_runs(dtype, recipe)
+    m = Pair().to(dtype)
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    g = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+    compiled = torch.compile(m, backend="enn", options={"fp8": recipe, "guard": "off", "fx_graph_cache": False})
+
+    def step() -> torch.Tensor:
+        y = compiled(x)
+        y.backward(g)
+        return y
+
+    y, codes = _compiled_code(step)
+    grads = [p.grad.clone() for p in m.parameters()]
+    assert enn_backend.report().graphs[0].fusions.get("fp8") == 6  # l1, l2: forward + two gradient GEMMs each
+    _assert_lowered(codes, 6)
+    m.zero_grad()
+    want = _pair_eager(m, x, recipe)
+    want.backward(g)
+    for (name, p), got in zip([("output", None), *m.named_parameters()], [y, *grads]):
+        ref = want if p is None else p.grad
+        err = float((got.detach() - ref.detach()).abs().max())
+        assert got.dtype == ref.dtype and err <= 1e-6 * float(ref.detach().abs().max()), (name, err)
+
+
+@pytest.mark.parametrize("recipe", F8.RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lowered_op_within_the_fp8_bound(recipe, dtype):
+    """The op compiled alone (its forward and both gradient GEMMs lowered): the values and
+    gradients of the eager op on the same inputs, each within ``error_bound`` of the exact GEMM."""
+    _skip_unless_cpu_runs(dtype, recipe)
+    gen = torch.Generator().manual_seed(0)
+    a0 = (torch.randn(48, 64, generator=gen) * 3).to(dtype)
+    b0 = (torch.randn(64, 32, generator=gen) / 5).to(dtype)
+    bias = torch.randn(32, generator=gen).to(dtype)
+    grad = torch.randn(48, 32, generator=gen).to(dtype)
+
+    def f(a, b):
+        return enn.fp8_mm(torch.relu(a), b, bias, recipe, "e4m3", "e4m3")
+
+    a, b = a0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    compiled = torch.compile(f, backend="enn", options={"guard": "off", "fx_graph_cache": False})
+
+    def step() -> torch.Tensor:
+        out = compiled(a, b)
+        out.backward(grad)
+        return out
+
+    out, codes = _compiled_code(step)
+    _assert_lowered(codes, 3)
+    ae, be = a0.clone().requires_grad_(True), b0.clone().requires_grad_(True)
+    want = f(ae, be)
+    want.backward(grad)
+    assert torch.equal(out, want) and torch.equal(a.grad, ae.grad) and torch.equal(b.grad, be.grad)
+    r = torch.relu(a0)
+    exact = r.double() @ b0.double() + bias.double()
+    assert bool(((out.detach().double() - exact).abs() <= F8.error_bound(r, b0, recipe, "e4m3", "e4m3")).all())
+    g_fmt = F8.formats_for(recipe, True, False)[0]
+    ga = grad.double() @ b0.double().t()
+    assert bool(((b.grad.double() - r.double().t() @ grad.double()).abs()
+                 <= F8.error_bound(r.t(), grad, recipe, "e4m3", g_fmt)).all())
+    assert bool(((a.grad.double() - ga * (r > 0)).abs()
+                 <= F8.error_bound(grad, b0.t(), recipe, g_fmt, "e4m3").masked_fill(r <= 0, 0)).all())
+
+
+def test_lowering_falls_back_to_the_extern_op_where_scaled_mm_refuses(monkeypatch, caplog):
+    """Where Inductor's lowering of ``_scaled_mm`` refuses a call, the op is the extern call of its
+    eager kernel (same values), logged at INFO once per reason, and the scheduler drops the
+    quantization the lowering had built."""
+    from enn_backend.lowerings import fp8 as LF
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("mat_b must be col_major (test)")
+
+    real = compat.inductor_lowering
+    monkeypatch.setattr(LF.compat, "inductor_lowering",
+                        lambda op: refuse if op is torch.ops.aten._scaled_mm.default else real(op))
+    monkeypatch.setattr(LF, "_logged", set())
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(32, 64, generator=gen).bfloat16(), torch.randn(64, 16, generator=gen).bfloat16()
+
+    def f(a, b):
+        return enn.fp8_mm(a, b, None, "tensorwise", "e4m3", "e4m3")
+
+    with caplog.at_level(logging.INFO, logger="enn_backend.lowerings.fp8"):
+        for _ in range(2):
+            out, codes = _compiled_code(lambda: torch.compile(f, backend="enn", options={
+                "guard": "off", "fx_graph_cache": False})(a, b))
+    assert torch.equal(out, f(a, b))
+    assert all("torch.ops.enn.fp8_mm.default(" in c and "_scaled_mm" not in c and "Float8" not in c for c in codes)
+    logged = [r.getMessage() for r in caplog.records if "not lowered" in r.getMessage()]
+    assert len(logged) == 1 and "mat_b must be col_major (test)" in logged[0], logged
+
+
+def test_pinned_fp8_gemm_runs_its_safe_path_beside_lowered_ones():
+    """With the lowering present, a faulty FP8 GEMM is still demoted alone: a NaN in layer 1's
+    gradient GEMMs pins those GEMMs of the backward graph to ``enn::pinned`` (the GEMM in bf16),
+    and the forward graph keeps layer 1's FP8 GEMM lowered (no extern call of enn::fp8_mm
+    anywhere). (A fault in the forward GEMM demotes the layer's backward GEMMs with it: kernel
+    state is keyed by the layer.)"""
+    model, codes = _compiled_code(lambda: _train({"fp8": "rowwise", "fault_inject": "enn.fp8_mm:nan:bwd",
+                                                  "fx_graph_cache": False}))
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    _assert_close_to_bf16([p.grad for p in model.parameters()])
+    assert _pins() == {"g0/forward": [], "g0/backward": ["layers.1"]}, _pins()
+    assert not any("torch.ops.enn.fp8_mm" in c for c in codes)
+
+    def args_line(code: str) -> str:
+        return code[code.index("def call"):].split("\n", 2)[1]
+
+    forward = [c for c in codes if "primals_" in args_line(c) and "tangents_" not in args_line(c)]
+    backward = [c for c in codes if "tangents_" in args_line(c)]
+    pinned_fp8 = '"op": "enn.fp8_mm.default"'
+    assert forward and all(pinned_fp8 not in c and c.count("extern_kernels._scaled_mm(") == 1 for c in forward)
+    # the pinned backward: both gradient GEMMs of layer 1 on their safe path, no FP8 GEMM left
+    assert any(c.count(pinned_fp8) == 2 and "_scaled_mm" not in c for c in backward)

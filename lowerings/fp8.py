@@ -1,0 +1,169 @@
+"""Lowering of ``enn::fp8_mm`` (``enn_backend.custom_ops.fp8``): the dynamic quantization of both
+operands as Inductor IR, and the FP8 GEMM through Inductor's lowering of ``aten._scaled_mm``.
+
+What it computes is what the op's eager kernel (``custom_ops.fp8.fp8_matmul``) computes, step for
+step, with the same dtypes:
+
+1. per operand ``x`` (``a`` scaled per row under ``rowwise``, per tensor under ``tensorwise``;
+   ``b`` per column / per tensor): ``x32 = float32(x)``, ``amax = max |x32|`` over the slice,
+   ``scale = float32(fmax * (1 / max(float64(amax), EPS)))`` (fp64 as eager's ``fmax / t``, which is
+   ``t.reciprocal() * fmax``), under ``rowwise`` ``scale = exp2(floor(log2(scale)))``, then
+   ``q = fp8(clamp(x32 * scale, -fmax, fmax))`` and the inverse scale ``1 / scale`` (fp32);
+2. ``aten._scaled_mm(q_a, q_b, 1 / scale_a, 1 / scale_b, out_dtype=a.dtype,
+   use_fast_accum=False)`` with ``q_a`` row-major and ``q_b`` column-major (what the GEMM reads;
+   Inductor's lowering checks it): ``q_b`` is computed as ``[N, K]`` contiguous and viewed as its
+   transpose, so the transposed copy of ``b`` is the quantizing kernel's own store;
+3. the bias, if any, added to the result in the result's dtype.
+
+Steps 1 and 3 are Inductor reduction and pointwise IR: the scheduler generates each operand's
+amax and its scale, clamp and cast as fused kernels (on the CPU the quantization of several
+operands of a graph shares one kernel), fused with the op that produced the operand where it
+can, and the bias add with what reads the result. Step 2 is whatever Inductor's
+``tuned_scaled_mm`` picks: cuBLAS or its Triton templates on a GPU; on a CPU its only choice, the
+extern call of ``at::_scaled_mm_out`` (torch's CPU FP8 GEMM). Without this lowering the op is an
+extern call whose eager body runs each quantization step as its own ATen kernel.
+
+On the CPU the result is the eager op's bit for bit (tests/test_fp8.py). On a GPU the
+quantization is the same arithmetic in the same dtypes (its log2 and exp2 from Triton's math
+library rather than eager's), and a Triton template may sum the fp32 products in another order
+than cuBLAS: differences the guard's FP8 reference (``custom_ops.fp8``) already allows.
+
+Fallback: where a call cannot be lowered like that on the running torch (no ``_scaled_mm``
+lowering, an FP8 dtype Inductor cannot generate code for on the device, an operand dtype the op
+does not take, or ``tuned_scaled_mm`` refusing the call), the op becomes the extern call of its
+eager kernel (Inductor's ``FallbackKernel``, as an enn op without a lowering), always correct,
+logged at INFO once per reason. A pinned FP8 GEMM is an ``enn::pinned`` node, not this op: this
+lowering never sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Optional
+
+import torch
+
+from enn_backend import compat
+from enn_backend.custom_ops import fp8 as F8
+
+log = logging.getLogger(__name__)
+
+aten, prims = torch.ops.aten, torch.ops.prims
+OP = torch.ops.enn.fp8_mm.default
+F8_MIN_CAPABILITY = (8, 9)  # Triton's float8_e4m3fn casts (fp8e4nv): Ada, Hopper and later
+
+_logged: set[str] = set()
+_lock = threading.Lock()
+
+
+def _L(op):
+    return compat.inductor_lowering(op)
+
+
+def _cast(x, dtype: torch.dtype):
+    return x if x.get_dtype() == dtype else _L(prims.convert_element_type.default)(x, dtype)
+
+
+def _log_once(reason: str) -> None:
+    with _lock:
+        if reason in _logged:
+            return
+        _logged.add(reason)
+    log.info("enn: enn::fp8_mm runs as an extern kernel call (not lowered): %s", reason)
+
+
+def fallback_reasons() -> frozenset[str]:
+    """Every reason this process's compiles left an enn::fp8_mm to the extern op (logged once each)."""
+    with _lock:
+        return frozenset(_logged)
+
+
+def _quantize(x, fmt: str, dim: Optional[int], pow2: bool):
+    """``(q, inverse scale)`` of ``x`` as IR, exactly ``custom_ops.fp8.quantize``: scales per slice
+    along ``dim`` (kept as a size-1 dimension) or per tensor (``dim`` None, 0-dim scale)."""
+    f8 = F8.FORMATS[fmt]
+    fmax = torch.finfo(f8).max
+    x32 = _cast(x, torch.float32)
+    ax = _L(aten.abs.default)(x32)
+    amax = _L(aten.amax.default)(ax, [] if dim is None else [dim], dim is not None)
+    amax64 = _L(aten.clamp_min.default)(_cast(amax, torch.float64), F8.EPS)
+    # eager's ``fmax / t`` is ``t.reciprocal() * fmax`` (Tensor.__rtruediv__): two fp64 roundings
+    scale = _cast(_L(aten.mul.Tensor)(_L(aten.reciprocal.default)(amax64), fmax), torch.float32)
+    if pow2:
+        scale = _L(aten.exp2.default)(_L(aten.floor.default)(_L(aten.log2.default)(scale)))
+    # eager's clamp(v, -fmax, fmax) is min(max(v, -fmax), fmax) (NaN stays NaN); Inductor has it
+    # as these two lowerings (aten.clamp is decomposed before lowering)
+    q = _L(aten.clamp_max.default)(_L(aten.clamp_min.default)(_L(aten.mul.Tensor)(x32, scale), -fmax), fmax)
+    return _cast(q, f8), _L(aten.reciprocal.default)(scale)
+
+
+def _row_major(x):
+    """``x`` (fresh IR of this lowering) stored in a buffer of its own, its layout frozen row-major
+    (Inductor's default for a new buffer): the strides ``_scaled_mm`` reads it with."""
+    x.realize()
+    x.freeze_layout()
+    return x
+
+
+def _unsupported(a, b, recipe: str, a_fmt: str, b_fmt: str) -> str:
+    """Why this call cannot be lowered here ("" when it can)."""
+    try:
+        _L(aten._scaled_mm.default)
+    except KeyError:
+        return f"torch {torch.__version__} has no Inductor lowering of aten._scaled_mm"
+    if recipe not in F8.RECIPES or a_fmt not in F8.FORMATS or b_fmt not in F8.FORMATS:
+        return f"recipe {recipe!r} or formats {a_fmt!r}, {b_fmt!r} unknown to the lowering"
+    dtype = a.get_dtype()
+    if dtype not in F8.SUPPORTED_DTYPES or b.get_dtype() != dtype:
+        return f"operand dtypes {dtype} x {b.get_dtype()} (lowered: both bf16, fp16 or fp32)"
+    if len(a.get_size()) != 2 or len(b.get_size()) != 2:
+        return "operands not 2-D"
+    device = a.get_device()
+    if device is None or device.type not in ("cpu", "cuda"):
+        return f"device {device}: FP8 code generation is lowered on cpu and cuda only"
+    if device.type == "cuda":
+        if torch.version.hip:
+            return "ROCm: Inductor's Triton has no float8_e4m3fn / float8_e5m2 casts there"
+        if torch.cuda.get_device_capability(device) < F8_MIN_CAPABILITY:
+            return (f"{torch.cuda.get_device_name(device)}: Triton's FP8 casts need compute capability "
+                    f"{F8_MIN_CAPABILITY[0]}.{F8_MIN_CAPABILITY[1]}")
+    return ""
+
+
+def _fallback(a, b, bias, recipe: str, a_fmt: str, b_fmt: str, reason: str):
+    _log_once(reason)
+    return compat.fallback_lowering(OP)(a, b, bias, recipe, a_fmt, b_fmt)
+
+
+def lower_fp8_mm(a, b, bias, recipe: str, a_fmt: str, b_fmt: str):
+    """``enn::fp8_mm(a, b, bias, recipe, a_fmt, b_fmt)`` as Inductor IR (the module doc)."""
+    why = _unsupported(a, b, recipe, a_fmt, b_fmt)
+    if why:
+        return _fallback(a, b, bias, recipe, a_fmt, b_fmt, why)
+    rowwise = recipe == "rowwise"
+    dtype = a.get_dtype()
+    n = b.get_size()[1]
+    qa, ia = _quantize(a, a_fmt, 1 if rowwise else None, rowwise)  # [M, K]; scale [M, 1] or []
+    # b is quantized as its transpose [N, K] (rowwise: one scale per row of it, [N, 1]), stored
+    # row-major and read back as [K, N] with strides (1, K): the column-major operand the GEMM
+    # reads, written by the quantizing kernel itself (no separate transpose copy)
+    qbt, ib = _quantize(_L(aten.permute.default)(b, [1, 0]), b_fmt, 1 if rowwise else None, rowwise)
+    qa, qbt, ia, ib = (_row_major(x) for x in (qa, qbt, ia, ib))
+    qb = _L(aten.permute.default)(qbt, [1, 0])
+    if rowwise:
+        ib = _L(aten.view.default)(ib, [1, n])  # [N, 1] row-major is [1, N] row-major
+    try:
+        out = _L(aten._scaled_mm.default)(qa, qb, ia, ib, None, None, dtype, False)
+    except (RuntimeError, AssertionError, NotImplementedError, TypeError, ValueError) as exc:
+        # the quantization built above then has no reader, and Inductor's scheduler drops it
+        text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
+        return _fallback(a, b, bias, recipe, a_fmt, b_fmt,
+                         f"Inductor's lowering of aten._scaled_mm refused it ({type(exc).__name__}: {text})")
+    if bias is not None:
+        out = _L(aten.add.Tensor)(out, _cast(bias, dtype))
+    return out
+
+
+# op -> its lowering (collected by enn_backend.lowerings)
+LOWERINGS = {OP: lower_fp8_mm}
