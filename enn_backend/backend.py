@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import compat, compile_time
+from . import blocks, compat, compile_time
 from .aot_cache import WarmStart, content_digest, offer
 from .cudagraph_cap import capped
 from .debug.log import log_compiled_graph
@@ -56,7 +56,24 @@ def enn(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None =
         report().add_disabled(by)
         return compat.inductor_compile_fx(gm, example_inputs,
                                           config_patches=compat.inductor_config_patches(opts.mode, opts.inductor))
-    return compile_unit(gm, list(example_inputs), opts)
+    example_inputs = list(example_inputs)
+    split = _split_into_blocks(gm, example_inputs, opts)
+    return split if split is not None else compile_unit(gm, example_inputs, opts)
+
+
+def _split_into_blocks(gm: fx.GraphModule, example_inputs: list, opts: Options) -> Callable[..., Any] | None:
+    """``gm`` compiled as head, layers and tail, each distinct layer once (option blocks,
+    enn_backend.blocks), or None where the option or the graph says no (logged)."""
+    ok, why = blocks.wanted(gm, example_inputs, opts)
+    plan, copy = None, None
+    if ok:
+        copy = _fresh(gm)  # the split edits its graph
+        plan, why = blocks.plan(copy)
+    if plan is None or copy is None:
+        if opts.blocks != "off":
+            log.info("enn: option blocks=%r: the graph is compiled whole: %s", opts.blocks, why)
+        return None
+    return blocks.compile_split(copy, example_inputs, opts, plan, compile_unit)
 
 
 def _exported(gm: fx.GraphModule) -> Callable[..., Any]:
@@ -149,13 +166,15 @@ def _compile_with_enn(gm: fx.GraphModule, example_inputs: list, opts: Options, u
 def make_inner_compile(opts: Options, unit: str, config_patches: dict, fault_specs: tuple) -> Callable[..., Any]:
     """The ``inner_compile`` enn gives compile_fx: compile, then wrap in the guard."""
 
+    reuse = blocks.active_table()  # a layer of a split compile (option blocks): the layers' artifacts
+
     def inner_compile(gm: fx.GraphModule, example_inputs: list, **kwargs: Any) -> Any:
         what = f"{unit} ({'backward' if kwargs.get('is_backward') else 'forward'})"
         built: list[GraphCompiler] = []
         with compile_time.graph_compile(unit, lambda: bool(built) and built[0].built_with_cpp_wrapper) as bind:
             compiler, compiled = ranks.compile_agreed(  # under torch.distributed, by every rank (guard.ranks)
                 lambda: GraphCompiler(gm, example_inputs, kwargs, opts=opts, unit=unit, config_patches=config_patches,
-                                      fault_specs=fault_specs), what)
+                                      fault_specs=fault_specs, reuse=reuse), what)
             built.append(compiler)
             bind(compiler.record)
             log_compiled_graph(compiler.record)  # the one info line per graph (+ TORCH_TRACE artifact)

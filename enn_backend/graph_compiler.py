@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from . import blame, build_choice, compat, nvtx
+from . import blame, blocks, build_choice, compat, nvtx
 from .custom_ops.pinned import EMITTED, REFERENCE_PATHS, op_name
 from .debug.repro import write_repro
 from .fx_utils import copy_gm, mutated_input_indices, output_nodes
@@ -97,8 +97,10 @@ class GraphCompiler:
     from_cache = False  # (enn_backend.aot_cache.CachedGraph stands in for a cache-loaded graph)
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list, kwargs: dict, *, opts: Options,
-                 unit: str, config_patches: dict, fault_specs: tuple, state: KernelState | None = None) -> None:
+                 unit: str, config_patches: dict, fault_specs: tuple, state: KernelState | None = None,
+                 reuse: blocks.ReuseTable | None = None) -> None:
         self.opts = opts
+        self.reuse = reuse  # option blocks: artifacts of equal layers this graph may take (enn_backend.blocks)
         self.unit = unit
         self.kwargs = dict(kwargs)
         self.cudagraphs_ok = True  # False once the guard met a fault here: see build()
@@ -307,7 +309,8 @@ class GraphCompiler:
                 and compat.cpp_wrapper_tunes_on_real_inputs() and not compat.real_inputs_at_hand()
                 and not compat.lifts_params(self.tracing_ctx) and not self.donated and not distributed())
 
-    def build(self, extra_pins: frozenset[str] = frozenset(), fp32: bool | None = None, quiet: bool = False) -> Callable[[list], Any]:
+    def build(self, extra_pins: frozenset[str] = frozenset(), fp32: bool | None = None, quiet: bool = False,
+              deferred: bool = False) -> Callable[[list], Any]:
         """Compile the graph with the current pins (+ ``extra_pins``), down the ladder; a first
         build that :attr:`waits_for_first_call` compiles on its first call.
 
@@ -319,8 +322,17 @@ class GraphCompiler:
         outside of (their replays would recycle outputs autograd still holds), and an artifact
         swapped in mid-step would not find its inputs in the tree's pool. A kernel computes the
         same values with or without the graph around it."""
+        # a first build under option blocks may take an equal layer's artifact (enn_backend.blocks)
+        # (``deferred``: the build a first call runs for :class:`CompileOnFirstCall`, already offered)
+        shareable = (self.reuse is not None and self.first_build and not quiet and not extra_pins and fp32 is None
+                     and not deferred)
+        if shareable and (shared := blocks.shared_build(self.reuse, self)) is not None:
+            return shared
         if self.waits_for_first_call:
-            return CompileOnFirstCall(lambda: self.build(extra_pins, fp32, quiet))
+            later = CompileOnFirstCall(lambda: self.build(extra_pins, fp32, quiet, deferred=True))
+            if shareable:
+                blocks.offer(self.reuse, self, later, 0)
+            return later
         fp32 = self.fp32 if fp32 is None else fp32
         pins = self.pinned_now(extra_pins)
         base = self.fp32_gm() if fp32 else self.eager_gm
@@ -340,7 +352,15 @@ class GraphCompiler:
             self.record.path = path
             self.record.compiled_nodes = 0 if path == "eager" else self.compute_nodes - len(pins)
             self._record_pins(pins)
+        if shareable:
+            blocks.offer(self.reuse, self, compiled, self._pinned_in[id(compiled)])
         return compiled
+
+    def note_artifact(self, compiled: Any, pinned_in: int) -> None:
+        """``compiled``, built for an equal graph, is this graph's first artifact (enn_backend.blocks)."""
+        self._pinned_in[id(compiled)] = pinned_in
+        self.record.set(GraphCounter.PINNED_IN_GRAPH, pinned_in)
+        self._record_pins(self.pinned_names)
 
     def _compile_down(self, gm: fx.GraphModule, plain: Callable[[], fx.GraphModule],
                       planted: list[str]) -> tuple[Any, str]:

@@ -102,6 +102,7 @@ EPILOGUE_FAMILIES = ("bias", "relu", "gelu", "gelu_tanh", "silu", "residual")
 MAX_AUTOTUNE_MEASURE_MS = 200  # measure_ms under mode="max-autotune" when the option is 0
 TAIL_MODES = ("auto", "on", "off")
 FP8_MODES = ("off", "rowwise", "tensorwise")  # option fp8 (custom_ops/fp8.py: the recipes)
+BLOCKS_MODES = ("off", "on")  # option blocks (enn_backend/blocks.py)
 COMPILE_MODES = (
     "default",
     "reduce-overhead",
@@ -269,6 +270,14 @@ class Options:
             "ENN_FP32_TAIL",
             "Run the output tail (final norm + projection) in fp32: off | auto (bf16 inference graphs) | on. Off by default: an fp32 vocabulary projection made GPT-2 inference 4.6x slower on an H200.",
             choices=TAIL_MODES,
+        ),
+    )
+    blocks: str = field(
+        default="off",
+        metadata=_meta(
+            "ENN_BLOCKS",
+            "Compile each distinct repeated layer once: off | on (a graph with 2+ layers of one container is compiled as head, layers and tail; equal layers share compiled code, each keeps its own guard). Faster compiles of deep models, for some step time (enn_backend/blocks.py).",
+            choices=BLOCKS_MODES,
         ),
     )
     fp8: str = field(

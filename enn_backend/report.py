@@ -86,6 +86,8 @@ class Count(str, enum.Enum):
     DYNAMO_REFERENCE_COPIES_ALL = "guard.dynamo_reference_copies_all"  # a check that copied every input and attribute
     DYNAMO_BACKWARD_CHECKS = "guard.dynamo_backward_checks"  # backwards compared with the Dynamo graph's
     DYNAMO_BACKWARD_UNJUDGED = "guard.dynamo_backward_unjudged"  # ... whose reference gradients could not be computed
+    BLOCKS_COMPILED = "blocks.compiled"  # graphs of split units (option blocks) compiled by Inductor
+    BLOCKS_REUSED = "blocks.reused"  # ... that took the artifact of an equal graph compiled before
     AOT_CACHE_HITS = "aot_cache.hits"
     AOT_CACHE_REFUSED = "aot_cache.refused"
     AOT_CACHE_CORRUPT_SIDECAR = "aot_cache.corrupt_sidecar"
@@ -145,6 +147,8 @@ class GraphRecord:
     compile_phases: dict[str, float] = field(default_factory=dict)
     # enn's Inductor options for this graph as decided at compile time (option -> value), and why
     build_choices: dict[str, Any] = field(default_factory=dict)
+    # the graph whose compiled artifact this one runs (option blocks: an equal layer's), else ""
+    reused_from: str = ""
 
     def add_compile_time(self, phase: CompilePhase, seconds: float) -> None:
         self.compile_phases[phase.value] = self.compile_phases.get(phase.value, 0.0) + seconds
@@ -325,7 +329,8 @@ def format_report(data: dict[str, Any]) -> str:
               "(no enn passes, no guard; not listed here)" for by, n in sorted((data.get("disabled") or {}).items())]
     rows = [["graph", "path", "ops", "compiled", "pinned", "compile s", "fusions"]]
     for g in graphs:
-        rows.append([g["id"], g.get("path", "") + (" (cached)" if g.get("from_cache") else ""),
+        rows.append([g["id"], g.get("path", "") + (" (cached)" if g.get("from_cache") else "")
+                     + (f" (= {g['reused_from']})" if g.get("reused_from") else ""),
                      str(g.get("compute_nodes", 0)), str(g.get("compiled_nodes", 0)), str(len(g.get("pinned", []))),
                      f"{g.get('compile_time_s', 0.0):.2f}",
                      ", ".join(f"{k} {v}" for k, v in sorted(g.get("fusions", {}).items())) or "-"])

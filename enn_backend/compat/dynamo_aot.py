@@ -1,6 +1,6 @@
 """Dynamo's and AOT Autograd's internals enn relies on: the captured graph's copy, AOT Autograd's
 config (its cache, donated buffers, lazy backward), AOTAutograd cache hits, the tracing context,
-the compile lock and Dynamo's control-flow exceptions."""
+the compile lock, Dynamo's control-flow exceptions, and Dynamo's driver for split graphs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch.fx
 
 from torch._functorch import config as functorch_config
 from torch._guards import TracingContext, tracing
+
+from .tracing import fake_mode_of
 
 
 def copy_dynamo_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -258,3 +260,32 @@ def keep_out_of_aot_cache(compiled: Any) -> Any:
 
     uncached._boxed_call = True  # type: ignore[attr-defined]
     return uncached
+
+
+def compile_split(gm: torch.fx.GraphModule, partition_of: Callable[[torch.fx.Node], int], example_inputs: list,
+                  compile_fn: Callable[[torch.fx.GraphModule, list], Callable[..., Any]]) -> torch.fx.GraphModule:
+    """``gm`` cut into submodules by ``partition_of`` (torch.fx's ``split_module``, nodes kept in
+    order), each compiled by ``compile_fn(submodule, example_inputs)`` through Dynamo's driver for
+    split graphs (``SubmodCompiler``, DDPOptimizer's: each submodule's inputs are fake tensors
+    with the strides the previous compiled submodule really returns; AOT Autograd's metadata is
+    kept per submodule for the lazy backward compiles); the split graph module calling them.
+    Each submodule keeps Dynamo's metadata (``_dynamo_source`` of its placeholders, ``gm.meta``),
+    so AOT Autograd still knows the parameters and buffers among its inputs."""
+    from torch._dynamo.backends.distributed import SubmodCompiler, propagate_dynamo_source, propagate_metadata
+    from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
+    from torch.fx.passes.split_module import split_module
+
+    split = split_module(gm, None, partition_of, keep_original_order=True)
+    propagate_dynamo_source(gm, split)
+    propagate_metadata(gm, split)
+    with _disable_saved_tensors_hooks_during_tracing():
+        SubmodCompiler(split, compile_fn, fake_mode_of(example_inputs)).run(*example_inputs)
+    split.recompile()
+    return split
+
+
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a FakeTensor (no data to read)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)

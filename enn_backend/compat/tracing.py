@@ -76,6 +76,13 @@ def detect_fake_mode(tensors: list) -> Any:
     return detect(tensors)
 
 
+def fake_mode_of(example_inputs: list) -> Any:
+    """The fake mode a compile's inputs belong to (the tracing context's), else a new one."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return detect_fake_mode(example_inputs) or FakeTensorMode()
+
+
 def joint_fwd_bwd(fn: Callable[..., Any], args: list) -> torch.fx.GraphModule:
     """AOT Autograd's joint forward + backward graph of ``fn`` (how Inductor traces training replacements)."""
     from torch._inductor.pattern_matcher import joint_fwd_bwd as trace

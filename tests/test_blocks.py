@@ -1,0 +1,197 @@
+"""Option ``blocks``: a graph's repeated layers are compiled once per distinct layer
+(enn_backend/blocks.py), with the values and gradients of the graph compiled whole, each layer
+under its own guard."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+import enn_backend
+from enn_backend import blocks
+from enn_backend.guard import runtime as R
+from enn_backend.options import Options, OptionsError
+
+import _hf
+
+pytest.importorskip("transformers")
+
+
+def _spec(name: str, layers: int) -> _hf.Spec:
+    spec = _hf.MODELS[name]
+    key = "n_layer" if name == "gpt2" else "num_hidden_layers"
+    return dataclasses.replace(spec, cfg={**spec.cfg, key: layers})
+
+
+def _build(name: str, layers: int, impl: str = "sdpa"):
+    import transformers
+
+    torch.manual_seed(0)
+    spec = _spec(name, layers)
+    model = spec.make(transformers, impl)
+    model.config.use_cache = False
+    _hf.no_dropout(model)
+    return model.train(), _hf._inputs(model, spec.padding)
+
+
+def _train_step(model, kwargs, options):
+    enn_backend.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="enn", options=options)
+    loss = _hf.loss_of(compiled(**kwargs))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, enn_backend.report().to_dict()
+
+
+def _captured(model, kwargs) -> torch.fx.GraphModule:
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(**kwargs)
+    (gm,) = seen
+    return gm
+
+
+def test_the_plan_cuts_a_decoder_into_head_layers_and_tail():
+    model, kwargs = _build("llama", 3)
+    plan, why = blocks.plan(_captured(model, kwargs))
+    assert plan is not None, why
+    assert plan.names == ["head", "model.layers.0", "model.layers.1", "model.layers.2", "tail"], plan.names
+    assert plan.layers == 3
+
+
+def test_a_single_layer_is_not_split():
+    model, kwargs = _build("llama", 1)
+    plan, why = blocks.plan(_captured(model, kwargs))
+    assert plan is None and "2 or more layers" in why
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("layers", [1, 2, 4])
+def test_hf_models_compile_each_distinct_layer_once(name, layers):
+    """Head, one layer and tail are compiled (forward and backward); every other layer takes the
+    first layer's artifacts; loss and gradients equal those of the graph compiled whole."""
+    model, kwargs = _build(name, layers)
+    twin = copy.deepcopy(model)
+    whole_loss, whole_grads, _ = _train_step(twin, kwargs, {"blocks": "off"})
+    loss, grads, rep = _train_step(model, kwargs, {"blocks": "on"})
+    torch.testing.assert_close(loss, whole_loss, rtol=1e-6, atol=1e-7)
+    assert grads.keys() == whole_grads.keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(g, whole_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    counters = rep["counters"]
+    if layers == 1:
+        assert "blocks.compiled" not in counters and not any(g["reused_from"] for g in rep["graphs"]), rep
+        return
+    assert counters["blocks.compiled"] == 6, counters  # head, a layer, tail; forward and backward
+    assert counters["blocks.reused"] == 2 * (layers - 1), counters
+    reused = [g for g in rep["graphs"] if g["reused_from"]]
+    assert len(reused) == 2 * (layers - 1)
+    assert rep["fallbacks"] == []
+
+
+class Mix(torch.nn.Module):
+    """Two kinds of layers: a plain MLP block and one with a gate."""
+
+    def __init__(self, gated: bool) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+        self.gate = torch.nn.Linear(16, 32) if gated else None
+
+    def forward(self, x):
+        h = torch.relu(self.up(x))
+        if self.gate is not None:
+            h = h * torch.sigmoid(self.gate(x))
+        return x + self.down(h)
+
+
+class Stack(torch.nn.Module):
+    def __init__(self, kinds: list[bool]) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.layers = torch.nn.ModuleList(Mix(k) for k in kinds)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x).square().mean()
+
+
+def test_two_kinds_of_layers_compile_two_layer_graphs():
+    torch.manual_seed(0)
+    model, x = Stack([False, True, False, True, False]), torch.randn(4, 8)
+    want = copy.deepcopy(model)
+    want(x).backward()
+    enn_backend.reset()
+    torch.compile(model, backend="enn", options={"blocks": "on"})(x).backward()
+    for (n, p), q in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+    rep = enn_backend.report().to_dict()
+    # head, the two kinds of layer and tail, each forward and backward; three layers reuse
+    assert rep["counters"]["blocks.compiled"] == 8 and rep["counters"]["blocks.reused"] == 6, rep["counters"]
+    # layers g1..g5: forwards compile first to last (g1, g2 own), backwards last to first (g5, g4)
+    sources = {g["id"]: g["reused_from"] for g in rep["graphs"] if g["reused_from"]}
+    assert set(sources.values()) == {"g1/forward", "g2/forward", "g5/backward", "g4/backward"}, sources
+
+
+def _guards() -> dict[str, R.GuardedGraph]:
+    return {o.record.id: o for o in gc.get_objects() if type(o) is R.GuardedGraph}
+
+
+def test_a_fault_in_one_layer_is_handled_in_that_layer_alone():
+    """Layer 1's compiled forward starts returning NaN (the shared artifact wrapped for that layer
+    only): layer 1's guard re-runs it eagerly, gives eager's result, and builds an artifact of its
+    own; layers 0 and 2 keep the shared artifact, and no other unit reports anything."""
+    torch.manual_seed(0)
+    model, x = Stack([False, False, False]), torch.randn(4, 8)
+    want = copy.deepcopy(model)
+    enn_backend.reset()
+    f = torch.compile(model, backend="enn", options={"blocks": "on", "persist": False, "repro": False})
+    f(x)
+    guards = _guards()
+    layer_fwd = sorted((g for g in guards.values() if g.record.phase == "forward" and g.record.reused_from),
+                       key=lambda g: g.record.id)
+    owner = guards[layer_fwd[0].record.reused_from]
+    shared = owner.compiled
+    faulty = layer_fwd[0]  # layer 1 (g2): takes g1's artifact
+    assert faulty.compiled is shared
+
+    def nan_outputs(args):
+        out = shared(args)
+        out[0] = torch.full_like(out[0], float("nan"))
+        return out
+
+    nan_outputs._boxed_call = True
+    faulty.compiled = nan_outputs
+    got = f(x)
+    torch.testing.assert_close(got, want(x), rtol=1e-5, atol=1e-6)
+    rep = enn_backend.report().to_dict()
+    assert {fb["graph"] for fb in rep["fallbacks"]} == {faulty.record.id}, rep["fallbacks"]
+    assert faulty.compiled is not nan_outputs and faulty.compiled is not shared
+    assert owner.compiled is shared and layer_fwd[1].compiled is shared
+
+
+def test_blocks_option_values():
+    assert Options.from_sources({"blocks": "on"}).blocks == "on"
+    assert Options.from_sources({}).blocks == "off"
+    with pytest.raises(OptionsError, match="off, on"):
+        Options.from_sources({"blocks": "sometimes"})
+
+
+@pytest.mark.parametrize("options, why", [({"blocks": "off"}, "off"), ({"blocks": "on", "nvtx": True}, "nvtx"),
+                                          ({"blocks": "on", "fault_inject": "aten.mm:nan"}, "fault_inject")])
+def test_where_blocks_do_not_split_the_graph_says_why(options, why):
+    model, kwargs = _build("llama", 2)
+    ok, reason = blocks.wanted(_captured(model, kwargs), list(kwargs.values()), Options.from_sources(options))
+    assert not ok and why in reason
