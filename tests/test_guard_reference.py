@@ -434,3 +434,29 @@ def test_a_backward_that_cannot_be_compared_is_counted_and_warned_once(monkeypat
     counted = enn_backend.report().to_dict()["counters"].get("guard.dynamo_backward_unjudged", 0)
     warned = [r for r in caplog.records if "not compared with the Dynamo graph's gradients" in r.getMessage()]
     assert counted >= 2 and len(warned) == 1, (counted, [r.getMessage() for r in warned])
+
+
+def test_a_backward_is_compared_when_an_output_gets_no_gradient():
+    """A model that returns its loss beside its logits (Hugging Face's ``labels=``) and is trained
+    on the loss alone: the logits get no gradient (their hook sees None). The backward is still
+    compared with the Dynamo graph's gradients, and a wrong one is caught there."""
+
+    class LossAndLogits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x, y):
+            logits = self.lin(x)
+            return torch.nn.functional.cross_entropy(logits, y), logits
+
+    torch.manual_seed(0)
+    model = LossAndLogits()
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    f = torch.compile(model, backend="enn", options={**ISOLATED, "guard_values": 1})
+    for _ in range(2):
+        loss, _ = f(x, y)
+        loss.backward()
+    counters = enn_backend.report().to_dict()["counters"]
+    assert counters.get("guard.dynamo_backward_checks", 0) >= 2, counters
+    assert counters.get("guard.dynamo_backward_unjudged", 0) == 0, counters

@@ -145,8 +145,11 @@ class Before:
                 state[n].copy_(saved)
 
 
-def _keep(store: dict[int, torch.Tensor], j: int, grad: torch.Tensor) -> None:
-    store[j] = grad
+def _keep(store: dict[int, torch.Tensor], j: int, grad: torch.Tensor | None) -> None:
+    # an output the loss does not reach (the logits beside a loss computed from labels=) gets
+    # no gradient: its hook is called with None, and it has no cotangent
+    if grad is not None:
+        store[j] = grad
 
 
 def _backward_node(outs: list) -> Any:
