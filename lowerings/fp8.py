@@ -46,6 +46,7 @@ import torch
 
 from enn_backend import compat
 from enn_backend.custom_ops import fp8 as F8
+from enn_backend.report import Count, report
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ def _unsupported(a, b, recipe: str, a_fmt: str, b_fmt: str) -> str:
 
 
 def _fallback(a, b, bias, recipe: str, a_fmt: str, b_fmt: str, reason: str):
+    report().count(Count.FP8_NOT_LOWERED)  # every one counted, the reason logged once
     _log_once(reason)
     return compat.fallback_lowering(OP)(a, b, bias, recipe, a_fmt, b_fmt)
 

@@ -431,7 +431,7 @@ def test_lowered_op_within_the_fp8_bound(recipe, dtype):
 
 def test_lowering_falls_back_to_the_extern_op_where_scaled_mm_refuses(monkeypatch, caplog):
     """Where Inductor's lowering of ``_scaled_mm`` refuses a call, the op is the extern call of its
-    eager kernel (same values), logged at INFO once per reason, and the scheduler drops the
+    eager kernel (same values), counted in the report every time, logged at INFO once per reason, and the scheduler drops the
     quantization the lowering had built."""
     from enn_backend.lowerings import fp8 as LF
 
@@ -456,6 +456,7 @@ def test_lowering_falls_back_to_the_extern_op_where_scaled_mm_refuses(monkeypatc
     assert all("torch.ops.enn.fp8_mm.default(" in c and "_scaled_mm" not in c and "Float8" not in c for c in codes)
     logged = [r.getMessage() for r in caplog.records if "not lowered" in r.getMessage()]
     assert len(logged) == 1 and "mat_b must be col_major (test)" in logged[0], logged
+    assert enn_backend.report().counters["fp8.not_lowered"] == 2  # each compile's GEMM counted
 
 
 def test_pinned_fp8_gemm_runs_its_safe_path_beside_lowered_ones():
