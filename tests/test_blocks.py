@@ -80,15 +80,22 @@ def test_a_single_layer_is_not_split(name):
 @pytest.mark.parametrize("layers", [2, 4])
 def test_hf_models_compile_each_distinct_layer_once(name, layers):
     """Head, one layer and tail are compiled (forward and backward); every other layer takes the
-    first layer's artifacts; loss and gradients equal those of the graph compiled whole."""
+    first layer's artifacts; loss and gradients equal those of the graph compiled whole (LLaMA;
+    GPT-2 and BERT against eager, to keep the suite short: the whole graph's own agreement with
+    eager is the HF sweep's)."""
     model, kwargs = _build(name, layers)
     twin = copy.deepcopy(model)
-    whole_loss, whole_grads, _ = _train_step(twin, kwargs, {"blocks": "off"})
+    if name == "llama":
+        want_loss, want_grads, _ = _train_step(twin, kwargs, {"blocks": "off"})
+    else:
+        want_loss = _hf.loss_of(twin(**kwargs))
+        want_loss.backward()
+        want_grads = {n: p.grad for n, p in twin.named_parameters() if p.grad is not None}
     loss, grads, rep = _train_step(model, kwargs, {"blocks": "on"})
-    torch.testing.assert_close(loss, whole_loss, rtol=1e-6, atol=1e-7)
-    assert grads.keys() == whole_grads.keys()
+    torch.testing.assert_close(loss, want_loss.detach(), rtol=1e-6, atol=1e-7)
+    assert grads.keys() == want_grads.keys()
     for n, g in grads.items():
-        torch.testing.assert_close(g, whole_grads[n], rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(g, want_grads[n], rtol=1e-5, atol=1e-6, msg=n)
     counters = rep["counters"]
     assert counters["blocks.compiled"] == 6, counters  # head, a layer, tail; forward and backward
     assert counters["blocks.reused"] == 2 * (layers - 1), counters
