@@ -200,6 +200,8 @@ class BufferContentGuard:
     fallback and logged.
     """
 
+    wraps_unit = True  # a wrapper around a unit's compiled callable (``.compiled``): see blocks.Segment
+
     def __init__(self, compiled: Callable[..., Any], eager: fx.GraphModule, assumed: dict[int, str],
                  unit: str) -> None:
         self.compiled, self.eager, self.unit = compiled, eager, unit

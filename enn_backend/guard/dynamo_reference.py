@@ -190,6 +190,8 @@ def _gradient_targets(node: Any, flat: list, state: dict[str, torch.Tensor]) -> 
 class DynamoReference:
     """Wraps one unit's compiled callable, called as Dynamo calls it (boxed or not: calls.flat_args)."""
 
+    wraps_unit = True  # a wrapper around a unit's compiled callable (``.compiled``): see blocks.Segment
+
     def __init__(self, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str,
                  metadata: Any = None) -> None:
         # the reference runs eagerly, with autograd: nested compile regions inlined (fx_utils)
