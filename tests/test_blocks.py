@@ -200,3 +200,22 @@ def test_where_blocks_do_not_split_the_graph_says_why(options, why):
     model, kwargs = _build("llama", 2)
     ok, reason = blocks.wanted(_captured(model, kwargs), list(kwargs.values()), Options.from_sources(options))
     assert not ok and why in reason
+
+
+def test_each_layer_sees_where_its_mask_comes_from():
+    """HF LLaMA builds its attention mask once, before the layers (left padding here). Each
+    layer recomputes it, so the attention pass reads a causal flag and a key-padding bias in every
+    layer, as in the graph compiled whole -- not an opaque T x T bias (which it reads when the
+    layers are handed the head's mask tensor)."""
+    def choices(mode: str) -> list:
+        torch._dynamo.reset()
+        enn_backend.reset()
+        model, kwargs = _hf.build("llama", "eager")
+        torch.compile(model, backend="enn", options={"blocks": mode, "attention_order": "flash,explicit"})(**kwargs)
+        rep = enn_backend.report().to_dict()
+        return [(c["choice"], c["causal"], c["key_padding"], c["mask"]) for g in rep["graphs"]
+                for c in g["kernel_choices"] if "causal" in c]
+
+    whole = choices("off")
+    assert len(whole) == 2 and all(c[1] and c[2] for c in whole), whole
+    assert choices("on") == whole
