@@ -15,8 +15,10 @@ The rules:
   children's -- counts once, toward the phase :func:`compat.compile_events.phase_of_event`
   names, so a compile's phases add up to its span.
 - It counts toward the graph whose enn compile (``enn_backend.compile_graph``) holds the event;
-  the rest of the compile (Dynamo's trace, AOT Autograd's joint trace) toward the first graph
-  enn compiled in it: a unit's forward (or inference) graph, a lazy backward's own.
+  the rest of a unit's backend call (``enn_backend.compile_unit``: AOT Autograd's joint trace)
+  toward that unit's first graph; the rest of the compile (Dynamo's trace) toward the first graph
+  enn compiled in it: a unit's forward (or inference) graph, a lazy backward's own. (One compile
+  holds several units where option ``blocks`` splits its graph: each layer's trace is its own.)
 - A graph's first call: time spent in the compiled code is ``first_run``, the rest of the call
   ``guard`` (the guard's first-call checks), each less torch's events timed inside it (Triton
   autotuning at the first run), which count by their phase.
@@ -175,9 +177,21 @@ def charge(events: list[Event], root: Event, windows: list[_Window]) -> None:
     if first is None:
         return  # enn compiled no graph in it (disabled, an eager fallback)
 
+    units = [w for w in windows if w.record is None]
+
     def owner(e: Event) -> GraphRecord:
         inner = [w for w in graphs if w.holds(e)]
-        return max(inner, key=lambda w: w.start_ns).record if inner else first
+        if inner:
+            return max(inner, key=lambda w: w.start_ns).record
+        # a unit's own work outside its graphs' compiles (its AOT Autograd trace), where one
+        # compile holds several units (option blocks: a unit per layer): that unit's first graph
+        held = [w for w in units if w.holds(e)]
+        if held:
+            unit = max(held, key=lambda w: w.start_ns)
+            mine = [w.record for w in graphs if w.unit == unit.unit] or unit.loaded
+            if mine:
+                return mine[0]
+        return first
 
     cpp = {id(w.record): w.cpp_wrapper for w in graphs}
     for rec, phase, seconds in attribute(events, [root], owner, lambda r: cpp.get(id(r), False)):
