@@ -182,7 +182,8 @@ def _needs_grad(n: fx.Node) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in (v if isinstance(v, (list, tuple)) else [v]))
 
 
-def _cheap_slice(v: fx.Node, head: set[fx.Node], regions: set[fx.Node]) -> Optional[list[fx.Node]]:
+def _cheap_slice(v: fx.Node, head: set[fx.Node], regions: set[fx.Node],
+                 order: dict[fx.Node, int]) -> Optional[list[fx.Node]]:
     """The head nodes ``v`` is computed from (``v`` included), in graph order, if they may be
     recomputed elsewhere: no gradient anywhere, no autocast region, no module call, no in-place
     op, at most MAX_RECOMPUTED nodes; else None."""
@@ -200,7 +201,6 @@ def _cheap_slice(v: fx.Node, head: set[fx.Node], regions: set[fx.Node]) -> Optio
             if a.op == "placeholder" and _needs_grad(a):
                 return None
             stack.append(a)
-    order = {n: i for i, n in enumerate(v.graph.nodes)}
     return sorted(seen, key=order.__getitem__)
 
 
@@ -211,13 +211,18 @@ def recompute_cheap_inputs(gm: fx.GraphModule, p: Plan) -> int:
     if not head:
         return 0
     regions = _in_regions(gm)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}  # the head's nodes keep their order below
     copied = 0
-    layer_segments = [s for s, name in enumerate(p.names) if _INDEXED.match(name)]
-    for s in layer_segments:
-        nodes = [n for n in gm.graph.nodes if p.segment_of.get(n) == s]
+    by_segment: dict[int, list[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        by_segment.setdefault(p.segment_of.get(n, -1), []).append(n)
+    for s, name in enumerate(p.names):
+        if not _INDEXED.match(name):
+            continue
+        nodes = by_segment.get(s, [])
         reads = {a for n in nodes for a in n.all_input_nodes if a in head}
-        for v in sorted(reads, key=lambda n: list(gm.graph.nodes).index(n)):
-            part = _cheap_slice(v, head, regions)
+        for v in sorted(reads, key=order.__getitem__):
+            part = _cheap_slice(v, head, regions, order)
             if part is None:
                 continue
             env: dict[fx.Node, fx.Node] = {}
