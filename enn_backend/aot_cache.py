@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import logging
 import threading
 import time
@@ -47,6 +46,7 @@ from .aot_sidecar import (FALLBACK_FIELDS, FORMAT, PHASES, RECORD_FIELDS, REPLAY
                           sidecar_path, write_sidecar)
 from .cudagraph_cap import capped
 from .debug.log import log_compiled_graph
+from .fx_utils import content_digest
 from .graph_compiler import GraphCompiler
 from .guard import graph_edit as E
 from .guard.kernel_entry import graph_key, node_key
@@ -58,16 +58,6 @@ from .passes import current_module_state, module_state
 from .report import Count, FallbackKind, GraphRecord, detached_report, report
 
 log = logging.getLogger(__name__)
-
-def content_digest(t: torch.Tensor) -> str:
-    """A digest of a tensor's dtype, shape and values (for module buffers a graph relies on)."""
-    with compat.real_tensor_mode():
-        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-        flat = t.detach().contiguous().reshape(-1)
-        if flat.numel():
-            h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
-        return h.hexdigest()
-
 
 # ------------------------------------------------------------------ cold compiles
 def offer(compiler: Any, compiled: Any, returned: Any) -> Any:

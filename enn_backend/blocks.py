@@ -64,6 +64,7 @@ import torch.fx as fx
 
 from . import compat
 from .blame import module_path
+from .fx_utils import content_digest
 from .report import Count, GraphRecord, report
 
 log = logging.getLogger(__name__)
@@ -290,8 +291,7 @@ def _constants(gm: fx.GraphModule) -> str:
         if isinstance(t, torch.Tensor):
             if t.numel() > 1 << 16 or t.is_meta or compat.is_fake(t):
                 return ""  # unknown content: no key
-            h.update(str(n.target).encode() + _layout(t).encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(f"{n.target}|{_layout(t)}|{content_digest(t)}".encode())
     return h.hexdigest()
 
 

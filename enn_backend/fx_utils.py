@@ -1,7 +1,7 @@
 """FX helpers that enn's passes, its guard, its compiler and its debug tools share: a node's
 value, shape and dtype, op tests, the graph's fake mode, ancestor walks, inserting a node with its
-metadata, copying a graph module, its outputs and the inputs it writes, and moving a graph to
-another dtype.
+metadata, copying a graph module, its outputs and the inputs it writes, a tensor's content digest,
+and moving a graph to another dtype.
 
 Neutral: it imports torch and ``compat`` only, never a pass or the guard (tests/test_import_graph.py).
 What is one side's business stays there: pinning nodes and planting faults in
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import operator
 from typing import Any, Callable, Iterable, Optional
 
@@ -158,6 +159,17 @@ def follow_layout(n: fx.Node, mode: Any) -> list[fx.Node]:
 
 
 # ----------------------------------------------------------------------------- graph modules
+def content_digest(t: torch.Tensor) -> str:
+    """A digest of a tensor's dtype, shape and values (module buffers a graph relies on, a
+    graph's constants)."""
+    with compat.real_tensor_mode():
+        h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+        flat = t.detach().contiguous().reshape(-1)
+        if flat.numel():
+            h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+        return h.hexdigest()
+
+
 def copy_gm(gm: fx.GraphModule) -> fx.GraphModule:
     """A deep copy of ``gm``, graph and attributes. Inductor calls enn's inner compile with its
     fake mode active; tensor constants the traced code made (transformers' masks hold a

@@ -32,7 +32,7 @@ from .compile_events import compile_event  # noqa: F401
 from .cache_artifacts import record_cache_artifact, register_cache_artifact  # noqa: F401
 from .dynamo_aot import (  # noqa: F401
     FXGraphCacheMiss, aot_cache_hits, aot_metadata, is_aot_backward_node, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,
-    compile_split, copy_dynamo_graph, is_fake, current_tracing_context, donated_inputs, eager_backward_compile, forward_results, functorch_config,
+    compile_split, copy_dynamo_graph, current_tracing_context, donated_inputs, eager_backward_compile, forward_results, functorch_config,
     is_dynamo_control_flow, keep_out_of_aot_cache, mutated_flat_inputs, no_aot_autograd_cache, saved_tensors_kept,
     tracing_context)
 from .flex import (  # noqa: F401
@@ -47,7 +47,7 @@ from .inductor import (  # noqa: F401
 from .miscompiles import KNOWN_MISCOMPILES, KnownMiscompile, known_miscompiles  # noqa: F401
 from .runtime import dist_initialized, is_cuda_available, triton_version  # noqa: F401
 from .tracing import (  # noqa: F401
-    detect_fake_mode, fake_mode_of, fx_minifier, joint_fwd_bwd, make_fx, real_tensor_mode,
+    detect_fake_mode, fake_mode_of, fx_minifier, is_fake, joint_fwd_bwd, make_fx, real_tensor_mode,
     registered_op_names, size_hint, trace_structured_artifact)
 from .versions import (  # noqa: F401
     TORCH_VERSION, cpp_emulates_precision_casts, cpp_wrapper_tunes_on_real_inputs,

@@ -282,10 +282,3 @@ def compile_split(gm: torch.fx.GraphModule, partition_of: Callable[[torch.fx.Nod
         SubmodCompiler(split, compile_fn, fake_mode_of(example_inputs)).run(*example_inputs)
     split.recompile()
     return split
-
-
-def is_fake(t: Any) -> bool:
-    """Whether ``t`` is a FakeTensor (no data to read)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)

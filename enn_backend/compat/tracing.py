@@ -83,6 +83,13 @@ def fake_mode_of(example_inputs: list) -> Any:
     return detect_fake_mode(example_inputs) or FakeTensorMode()
 
 
+def is_fake(t: Any) -> bool:
+    """Whether ``t`` is a FakeTensor (no data to read)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
 def joint_fwd_bwd(fn: Callable[..., Any], args: list) -> torch.fx.GraphModule:
     """AOT Autograd's joint forward + backward graph of ``fn`` (how Inductor traces training replacements)."""
     from torch._inductor.pattern_matcher import joint_fwd_bwd as trace
