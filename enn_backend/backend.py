@@ -38,7 +38,7 @@ from .guard.dynamo_reference import DynamoReference
 from .guard.runtime import GuardedGraph
 from .options import Options
 from .passes import PassFailed, PassManager, module_state
-from .report import FallbackKind, report
+from .report import Count, FallbackKind, report
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ def _split_into_blocks(gm: fx.GraphModule, example_inputs: list, opts: Options) 
         copy = _fresh(gm)  # the split edits its graph
         plan, why = blocks.plan(copy)
     if plan is None or copy is None:
-        if opts.blocks != "off":
+        if opts.blocks != "off":  # asked for and not done: counted and logged
+            report().count(Count.BLOCKS_NOT_SPLIT)
             log.info("enn: option blocks=%r: the graph is compiled whole: %s", opts.blocks, why)
         return None
     return blocks.compile_split(copy, example_inputs, opts, plan, compile_unit)

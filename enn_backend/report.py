@@ -88,6 +88,7 @@ class Count(str, enum.Enum):
     DYNAMO_BACKWARD_UNJUDGED = "guard.dynamo_backward_unjudged"  # ... whose reference gradients could not be computed
     BLOCKS_COMPILED = "blocks.compiled"  # graphs of split units (option blocks) compiled by Inductor
     BLOCKS_REUSED = "blocks.reused"  # ... that took the artifact of an equal graph compiled before
+    BLOCKS_NOT_SPLIT = "blocks.not_split"  # graphs compiled whole under option blocks (the log says why)
     FP8_NOT_LOWERED = "fp8.not_lowered"  # FP8 GEMMs compiled as an extern call of their eager kernel (lowerings/fp8.py)
     AOT_CACHE_HITS = "aot_cache.hits"
     AOT_CACHE_REFUSED = "aot_cache.refused"

@@ -241,3 +241,15 @@ def test_each_layer_is_charged_its_own_trace():
             assert "kernel_compile" not in g.compile_phases and g.compile_phases.get("inductor", 0) < 0.2, g
     total = sum(sum(g.compile_phases.values()) for g in graphs)
     assert abs(total - wall) <= 0.1 * wall, (total, wall)
+
+
+def test_a_graph_left_whole_under_blocks_is_counted_and_logged(caplog):
+    import logging
+
+    torch.manual_seed(0)
+    model, x = Stack([False]), torch.randn(4, 8)
+    enn_backend.reset()
+    with caplog.at_level(logging.INFO, logger="enn_backend"):
+        torch.compile(model, backend="enn", options={"blocks": "on"})(x)
+    assert enn_backend.report().to_dict()["counters"].get("blocks.not_split") == 1
+    assert any("compiled whole" in r.getMessage() and "2 or more layers" in r.getMessage() for r in caplog.records)
