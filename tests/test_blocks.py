@@ -253,3 +253,37 @@ def test_a_graph_left_whole_under_blocks_is_counted_and_logged(caplog):
         torch.compile(model, backend="enn", options={"blocks": "on"})(x)
     assert enn_backend.report().to_dict()["counters"].get("blocks.not_split") == 1
     assert any("compiled whole" in r.getMessage() and "2 or more layers" in r.getMessage() for r in caplog.records)
+
+
+class NormLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        # no bias before the norm: its gradient is zero up to rounding, which AdamW would amplify
+        self.lin, self.bn = torch.nn.Linear(16, 16, bias=False), torch.nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.lin(x)))
+
+
+def test_layers_that_write_buffers_leave_eagers_state():
+    """Each layer updates its BatchNorm's running statistics: after two training steps under
+    blocks (layers sharing one artifact) every buffer, parameter and AdamW state equals eager's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Sequential(*[NormLayer() for _ in range(3)]),
+                                torch.nn.Linear(16, 4))  # layers 1.0, 1.1, 1.2
+    want = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    enn_backend.reset()
+    f = torch.compile(model, backend="enn", options={"blocks": "on"})
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, want)]
+    for _ in range(2):
+        for run, opt in ((f, opts[0]), (want, opts[1])):
+            run(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert enn_backend.report().to_dict()["counters"].get("blocks.reused", 0) >= 2
+    for (n, a), b in zip(model.state_dict().items(), want.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)
+    for sa, sb in zip(opts[0].state.values(), opts[1].state.values()):
+        for k in sa:
+            torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6, msg=k)
