@@ -105,9 +105,9 @@ def test_an_unknown_tool_or_a_misplaced_tool_flag_is_refused(capsys):
 
 def test_the_gpu_session_stages_call_scripts_and_tools_that_exist():
     text = (BENCH / "gpu_session.sh").read_text()
-    for name in re.findall(r"--tool ([a-z_]+)", text):
+    for name in re.findall(r"--tool ([a-z0-9_]+)", text):
         assert name in tools.TOOLS, name
-    for path in re.findall(r"python3? (bench/[a-z_]+\.py)", text):
+    for path in re.findall(r"python3? (bench/[a-z0-9_]+\.py)", text):
         assert (ROOT / path).is_file(), path
 
 

@@ -25,7 +25,15 @@ BACKENDS: dict[str, dict[str, Any] | None] = {
     "enn-guard-off": {"backend": "enn", "options": {"guard": "off"}},  # the guard's cost: enn / enn-guard-off
     "inductor-max-autotune": {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"},
     "enn-max-autotune": {"backend": "enn", "options": {"mode": "max-autotune-no-cudagraphs"}},
+    # CUDA graphs: Inductor's as users ask for it, enn's through its mode option (the guard kept on)
+    "inductor-reduce-overhead": {"backend": "inductor", "mode": "reduce-overhead"},
+    "enn-reduce-overhead": {"backend": "enn", "options": {"mode": "reduce-overhead"}},
 }
+
+# (slower, faster): the pairs of backends whose step-time ratio a workload reports when both ran,
+# as ``speedup_<faster>_vs_<slower>`` (enn against Inductor, each in the same mode)
+PAIRS: tuple[tuple[str, str], ...] = (("inductor", "enn"), ("inductor-max-autotune", "enn-max-autotune"),
+                                      ("inductor-reduce-overhead", "enn-reduce-overhead"))
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@
     python -m enn_backend bench --preset real            # third-party models (HF, timm, torchvision), one H100, < 7 minutes
     python -m enn_backend bench --preset real-cpu --only hf_llama_eager,hf_bert_sdpa   # the same, tiny, on the CPU
     python -m enn_backend bench --preset real-defaults   # HF models as users leave them, next to their twins, one H200
+    python -m enn_backend bench --preset host-bound      # host-bound training steps, default mode and CUDA graphs, one H200
     python -m enn_backend bench --models gpt2_naive,bert --modes train --dtypes fp32,bf16
     python -m enn_backend bench --render bench/results/cpu/quick.json   # re-render Markdown/PNGs
     python -m enn_backend bench --tool host_tax --device cpu             # a tool: bench/host_tax.py (below)
@@ -57,7 +58,8 @@ GPU_MODELS = ["gpt2_sdpa", "gpt2_naive", "llama", "bert", "alibi", "t5", "slidin
 # The real preset leaves out the models run as users leave them (the _defaults and _ckpt variants
 # of enn_backend.models.real.AS_LEFT); real-cpu has them all.
 _AS_LEFT_VARIANTS = {v for variants in AS_LEFT.values() for v in variants}
-REAL_PRESET = dict(models=[m for m in models.names("real") if m not in _AS_LEFT_VARIANTS], modes=["train", "infer"],
+REAL_PRESET = dict(models=[m for m in models.names("real") if m not in _AS_LEFT_VARIANTS | {"tv_resnet50"}],
+                   modes=["train", "infer"],
                    backends=["eager", "inductor", "enn"], warm_compile=False, host_vs_kernel=True)
 
 # real-defaults: each twin of AS_LEFT followed by its _defaults and _ckpt variants, so
@@ -67,6 +69,11 @@ REAL_PRESET = dict(models=[m for m in models.names("real") if m not in _AS_LEFT_
 # preset's, stops starting new ones at 330 s (under 7 minutes in all) and lists the rest as skipped:
 # run those with --only ... --name real-defaults-part2. Its own gpu_session.sh stage ("realdefaults").
 REAL_DEFAULTS_MODELS = [m for twin, variants in AS_LEFT.items() for m in (twin, *variants)]
+
+# host-bound: the real models whose training steps leave the GPU idle (host-bound), under Inductor
+# and enn each in its default mode and with CUDA graphs (reduce-overhead), host and kernel time per
+# step. ResNet-50 is not in the real preset (ResNet-18 stands for the convnets there).
+HOST_BOUND_MODELS = ["tv_resnet50", "timm_vit_small", "hf_t5", "hf_bert_sdpa", "hf_gpt2_eager"]
 
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": dict(device="cpu", size="cpu-small", models=QUICK_MODELS, modes=["train", "infer"], dtypes=["fp32"],
@@ -83,6 +90,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                      sample_s=0.1, budget_s=None, threads=1),
     "real-defaults": dict(REAL_PRESET, models=REAL_DEFAULTS_MODELS, backends=["inductor", "enn"], device="cuda",
                           size="gpu-real", dtypes=["bf16"], rounds=11, rep_ms=25.0, budget_s=330.0),
+    "host-bound": dict(REAL_PRESET, models=HOST_BOUND_MODELS, modes=["train"],
+                       backends=["inductor", "inductor-reduce-overhead", "enn", "enn-reduce-overhead"], device="cuda",
+                       size="gpu-real", dtypes=["bf16"], rounds=11, rep_ms=25.0, budget_s=330.0),
 }
 
 

@@ -50,7 +50,7 @@ import torch
 from .. import __version__, compat, models
 from ..report import reset as reset_report
 from . import accuracy
-from .backends import (BACKENDS, cache_dir, compile_with, enn_entry_point_installed, enn_summary, enn_units, environ,
+from .backends import (BACKENDS, PAIRS, cache_dir, compile_with, enn_entry_point_installed, enn_summary, enn_units, environ,
                        graph_count, warm_up_compiler)
 from .steps import autocast, result_step, timed_step, to_fp64
 from .summary import summarize
@@ -213,6 +213,10 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
                 wl["profile"] = profile({"inductor": live["inductor"], "enn": live["enn"]}, device)
             except Exception as exc:  # noqa: BLE001
                 wl["profile_error"] = _format_exc(exc)
+    # the other same-mode pairs (CUDA graphs, max-autotune): enn against Inductor, each in that mode
+    wl["speedups"] = {f"{fast} / {slow}": paired_ratio(results[slow].samples_ms, results[fast].samples_ms)
+                      for slow, fast in PAIRS[1:] if slow in results and fast in results
+                      and results[slow].samples_ms and results[fast].samples_ms}
     if cfg.host_vs_kernel:
         wl["host_vs_kernel"] = host_vs_kernel(live, results, device)
     if "eager" in results and ind and ind.ok and results["eager"].ok and ind.samples_ms and results["eager"].samples_ms:
@@ -244,10 +248,13 @@ def run_workload(name: str, mode: str, dtype: str, cfg: BenchConfig, cache_root:
 
 
 def host_vs_kernel(live: dict[str, Callable[[], Any]], results: dict[str, BackendResult], device: str) -> dict[str, Any]:
-    """Per backend: the step's wall time (its timed median) and, on CUDA, the device kernel time of
-    one step (torch.profiler) and the share of the wall time the device spent idle."""
+    """Per backend: the step's wall time (its timed median), its host time (the median time a call
+    takes to return, the device not waited for: the host's own work per step, as long as the launch
+    queue does not fill) and, on CUDA, the device kernel time of one step (torch.profiler) and the
+    share of the wall time the device spent idle."""
     timed = {b: fn for b, fn in live.items() if results[b].samples_ms}
-    out: dict[str, Any] = {b: {"wall_ms": results[b].time_ms, "kernel_ms": None, "idle_share": None} for b in timed}
+    out: dict[str, Any] = {b: {"wall_ms": results[b].time_ms, "host_ms": host_ms(fn, device), "kernel_ms": None,
+                               "idle_share": None} for b, fn in timed.items()}
     if torch.device(device).type != "cuda":
         return out
     try:
@@ -259,6 +266,19 @@ def host_vs_kernel(live: dict[str, Callable[[], Any]], results: dict[str, Backen
         out[b].update(kernel_ms=k, idle_share=max(0.0, 1.0 - k / out[b]["wall_ms"]) if out[b]["wall_ms"] > 0 else None,
                       top=p["top"])
     return out
+
+
+def host_ms(fn: Callable[[], Any], device: str, calls: int = 7) -> float:
+    """The median time of ``calls`` calls of ``fn`` from call to return, each started on an idle
+    device (synchronized before, not within): the host's time to issue one step."""
+    times = []
+    for _ in range(calls):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    sync(device)
+    return statistics.median(times)
 
 
 def _jsonable(cfg: dict[str, Any]) -> dict[str, Any]:

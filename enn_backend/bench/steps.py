@@ -36,16 +36,17 @@ def to_fp64(batch: Batch) -> Batch:
 def result_step(fn: Callable, module: torch.nn.Module, batch: Batch, loss_fn: Callable, mode: str,
                 autocast: Callable[[], Any]) -> list[torch.Tensor]:
     """One accuracy sample: outputs (inference) or loss + every gradient (training)."""
+    # copies, not the tensors returned: under CUDA graphs those are overwritten by the next replay
     if mode == "infer":
         with torch.no_grad(), autocast():
-            return accuracy.flatten(fn(*batch.args))
+            return [t.clone() for t in accuracy.flatten(fn(*batch.args))]
     module.zero_grad(set_to_none=True)
     with autocast():
         loss = loss_fn(fn(*batch.args), batch.target)
     loss.backward()
     grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()]
     module.zero_grad(set_to_none=True)
-    return [loss.detach()] + grads
+    return [loss.detach().clone()] + grads
 
 
 def timed_step(fn: Callable, opt: torch.optim.Optimizer | None, batch: Batch, loss_fn: Callable, mode: str,

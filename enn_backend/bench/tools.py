@@ -31,6 +31,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "host_tax": ("CPU/GPU", "the guard's host cost per call on a call-bound graph"),
     "host_profile": ("CPU/GPU", "where a step's host time goes, enn against Inductor"),
     "gpu_decode_cudagraphs": ("GPU", "a decode-sized HF LLaMA step under CUDA graphs"),
+    "gpu_host_bound": ("GPU", "CUDA graphs: state after N steps, dynamic padding, HF generate"),
     "gpu_llama_long": ("GPU", "HF LLaMA at long context, training or prefill"),
     "gpu_attention": ("GPU", "causal and ALiBi attention against the best direct call"),
     "gpu_attention_size": ("GPU", "when fusing a small padded attention pays, by size"),

@@ -274,6 +274,10 @@ def real_specs() -> list[ModelSpec]:
                  lambda device, **c: build_torchvision(device, arch="resnet18", **c),
                  {"cpu-small": dict(batch=2, img=32, n_classes=10), "gpu-real": dict(batch=128, img=224, n_classes=1000)},
                  requires=("torchvision",)),
+        ModelSpec("tv_resnet50", "torchvision resnet50, weights=None (BatchNorm statistics updated by every training step)",
+                 lambda device, **c: build_torchvision(device, arch="resnet50", **c),
+                 {"cpu-small": dict(batch=2, img=32, n_classes=10), "gpu-real": dict(batch=64, img=224, n_classes=1000)},
+                 requires=("torchvision",)),
     ]
     variants = {
         "hf_llama_eager": _as_left("hf_llama_eager", "llama", "eager", _LLAMA),
