@@ -102,6 +102,9 @@ def part_state(args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator(device="cpu").manual_seed(1)
     data = [(torch.randn(batch, 3, img, img, generator=g).to(DEVICE),
              torch.randint(0, 1000, (batch,), generator=g).to(DEVICE)) for _ in range(4)]
+    cols = ["dtype", "variant", "step ms", "first step s", "max |d| running_mean", "max |d| running_var",
+            "max |d| num_batches_tracked", "max |d| param", "max |d| adamw", "fallbacks"]
+    what = f"ResNet-50, batch {batch}, {img} px, {args.steps} AdamW steps"
     rows, t_start = [], time.perf_counter()
     for dtype in ("fp32", "bf16"):
         finals: dict[str, dict[str, torch.Tensor]] = {}
@@ -143,11 +146,9 @@ def part_state(args: argparse.Namespace) -> dict[str, Any]:
                 row["fallbacks"] = len(enn_backend.report().fallbacks) if variant.startswith("enn") else "-"
                 row.update(cudagraph_counts() if variant.startswith("enn") else {})
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items()}, default=str), flush=True)
+            args.partial(rows, cols, what)
             del fn, model, opt
-    cols = ["dtype", "variant", "step ms", "first step s", "max |d| running_mean", "max |d| running_var",
-            "max |d| num_batches_tracked", "max |d| param", "max |d| adamw", "fallbacks"]
-    return {"rows": rows, "columns": cols, "what": f"ResNet-50, batch {batch}, {img} px, {args.steps} AdamW steps"}
+    return {"rows": rows, "columns": cols, "what": what}
 
 
 # ---------------------------------------------------------------- padding
@@ -172,6 +173,10 @@ def part_padding(args: argparse.Namespace) -> dict[str, Any]:
         batches.append(tuple(t.to(DEVICE) for t in (ids.masked_fill(mask == 0, 0), mask, labels)))
     epochs = 3
     orders = [torch.randperm(len(batches), generator=g).tolist() for _ in range(epochs)]
+    cols = ["variant", "first epoch s", "later epochs s (each)", "speed-up vs enn default", "inductor recordings",
+            "cudagraph_shapes", "uncaptured_shapes", "uncaptured_calls", "max |loss - eager|", "fallbacks"]
+    what = (f"HF BERT MLM, {layers} layers, batch {batch}, {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "
+            f"{epochs} epochs of {len(lengths)} steps, bf16 autocast, AdamW")
     rows, t_start = [], time.perf_counter()
     for variant in ("eager", "inductor", "inductor reduce-overhead", "enn", "enn reduce-overhead"):
         if time.perf_counter() - t_start > args.budget_s:
@@ -206,7 +211,7 @@ def part_padding(args: argparse.Namespace) -> dict[str, Any]:
             row.update(cudagraph_counts())
             row["fallbacks"] = len(enn_backend.report().fallbacks)
         rows.append(row)
-        print(json.dumps(row, default=str), flush=True)
+        args.partial(rows, cols, what)
         del fn, model, opt
     by = {r["variant"]: r for r in rows if "later epochs s (each)" in r}
     for r in by.values():
@@ -214,11 +219,7 @@ def part_padding(args: argparse.Namespace) -> dict[str, Any]:
             r["speed-up vs enn default"] = by["enn"]["later epochs s (each)"] / r["later epochs s (each)"]
         if "eager" in by:
             r["max |loss - eager|"] = max(abs(a - b) for a, b in zip(r["last epoch losses"], by["eager"]["last epoch losses"]))
-    cols = ["variant", "first epoch s", "later epochs s (each)", "speed-up vs enn default", "inductor recordings",
-            "cudagraph_shapes", "uncaptured_shapes", "uncaptured_calls", "max |loss - eager|", "fallbacks"]
-    return {"rows": rows, "columns": cols,
-            "what": f"HF BERT MLM, {layers} layers, batch {batch}, {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "
-                    f"{epochs} epochs of {len(lengths)} steps, bf16 autocast, AdamW"}
+    return {"rows": rows, "columns": cols, "what": what}
 
 
 # ---------------------------------------------------------------- generate
@@ -246,6 +247,10 @@ def part_generate(args: argparse.Namespace) -> dict[str, Any]:
 
     new_tokens = 8 if args.tiny else 256
     prompt_len = 16 if args.tiny else 128
+    cols = ["model", "batch", "variant", "first call s", "tokens/s", "vs inductor reduce-overhead",
+            "tokens equal eager's", "first differing token", "max |kv - eager|", "fallbacks"]
+    what = (f"generate, static cache, prompt {prompt_len}, {new_tokens} new tokens, greedy, "
+            f"{'fp32' if DEVICE == 'cpu' else 'bf16 weights'}")
     rows, t_start = [], time.perf_counter()
     for family in ("llama", "qwen2"):
         base = _lm(family, args.tiny)
@@ -293,18 +298,14 @@ def part_generate(args: argparse.Namespace) -> dict[str, Any]:
                     row["fallbacks"] = len(enn_backend.report().fallbacks)
                     row.update(cudagraph_counts())
                 rows.append(row)
-                print(json.dumps(row, default=str), flush=True)
+                args.partial(rows, cols, what)
                 del model
     by = {(r["model"], r["batch"], r["variant"]): r for r in rows if "tokens/s" in r}
     for (m, b, v), r in by.items():
         ind = by.get((m, b, "inductor reduce-overhead"))
         if ind and v.startswith("enn"):
             r["vs inductor reduce-overhead"] = r["tokens/s"] / ind["tokens/s"]
-    cols = ["model", "batch", "variant", "first call s", "tokens/s", "vs inductor reduce-overhead",
-            "tokens equal eager's", "first differing token", "max |kv - eager|", "fallbacks"]
-    return {"rows": rows, "columns": cols,
-            "what": f"generate, static cache, prompt {prompt_len}, {new_tokens} new tokens, greedy, "
-                    f"{'fp32' if DEVICE == 'cpu' else 'bf16 weights'}"}
+    return {"rows": rows, "columns": cols, "what": what}
 
 
 PARTS = {"state": part_state, "padding": part_padding, "generate": part_generate}
@@ -318,13 +319,18 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small sizes (a CPU smoke run)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
-    result = PARTS[args.part](args)
+    args.partial = lambda rows, columns, what: write(args, {"rows": rows, "columns": columns, "what": what}, final=False)
+    write(args, PARTS[args.part](args))
+
+
+def write(args: argparse.Namespace, result: dict[str, Any], final: bool = True) -> None:
+    """Print the part's table and write it to --out (after every variant: a run cut short keeps what it measured)."""
     result.update(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
                   command=f"python bench/gpu_host_bound.py --part {args.part} --steps {args.steps}"
                           + (" --tiny" if args.tiny else ""))
     lines = [f"# Host-bound steps: {args.part}", "", f"`{result['command']}` -- {result['device']}, torch {result['torch']}",
              "", result["what"], ""] + md_table(result["rows"], result["columns"])
-    print("\n".join(lines))
+    print("\n".join(lines) if final else json.dumps(result["rows"][-1], default=str), flush=True)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"host_bound_{args.part}.json"), "w") as f:
