@@ -13,9 +13,10 @@ graph per layer, as OPT does, Dynamo may compile one layer's graph once and run 
 layer, while the cache's layer index makes one graph per layer.)
 
 By default: GPT-2 with eager attention, the model that returns its cache from the attention's own
-K/V copies. ``HF_SWEEP=full`` runs every model of the sweep with both attention
-implementations (``python tests/_hf.py --variant defaults,checkpointing --options ...`` prints
-the same cases as a table).
+K/V copies, and T5 with eager attention (an encoder-decoder: a learned position bias, padding,
+causal and cross-attention sites, each through enn's own matcher). ``HF_SWEEP=full`` runs every
+model of the sweep with both attention implementations (``python tests/_hf.py --variant
+defaults,checkpointing --options ...`` prints the same cases as a table).
 """
 
 from __future__ import annotations
@@ -33,25 +34,27 @@ import enn_backend  # noqa: E402
 
 FULL = os.environ.get("HF_SWEEP", "") == "full"
 FUSING = {"attention_order": "flash,explicit"}
-# What the use_cache=False twin fuses where it is known without running it (tests/test_hf_models.py:
-# GPT-2's two layers); other twins run once per process.
-TWIN_FUSED = {("gpt2", "eager"): _hf.LAYERS}
-SUBSET = {("gpt2", "eager", "defaults"), ("gpt2", "eager", "checkpointing")}
-# Cases that miss for a reason the variant does not bring: Dynamo compiles less than the twin's
-# graphs (nothing there for enn to fuse), or the twin itself has the same fallback line.
-_T5_CHECKPOINTING = ("under gradient checkpointing Dynamo skips T5's decoder frame and runs it in eager (graph "
-                     "breaks in its layer loop: transformers' logger.warning_once that turns the cache off, "
-                     "utils/generic.py, and position_bias.requires_grad = True, modeling_t5.py): its self- and "
-                     "cross-attention are never compiled, the encoder's is fused")
+# What the use_cache=False twin fuses where it is known without running it: GPT-2's two layers
+# (tests/test_hf_models.py), and every one of T5's three hand-written sites (the encoder's
+# self-attention, the decoder's self- and cross-attention); other twins run once per process.
+TWIN_FUSED = {("gpt2", "eager"): _hf.LAYERS, ("t5", "eager"): 3}
+SUBSET = {("gpt2", "eager", "defaults"), ("gpt2", "eager", "checkpointing"),
+          ("t5", "eager", "defaults"), ("t5", "eager", "checkpointing")}
+# Cases where Dynamo hands enn fewer attention sites than the twin's, whatever the backend: the
+# sites it does hand over (all of them fused) and why the others never reach enn. The count is
+# exact, so a torch or transformers release that compiles the rest shows here.
+_T5_CHECKPOINTING = ("under gradient checkpointing Dynamo runs T5's decoder layers in eager (torch.compile with "
+                     "any backend): modeling_t5.py sets position_bias.requires_grad = True on the cross-attention's "
+                     "zero bias, a graph break inside the checkpoint region (gb0206), so the layer loop's frame is "
+                     "skipped and the layers' checkpoint calls run uncompiled; only the encoder's attention reaches "
+                     "enn")
 NOT_COMPILED = {
-    ("t5", "eager", "checkpointing"): _T5_CHECKPOINTING,
-    ("t5", "sdpa", "checkpointing"): _T5_CHECKPOINTING,
+    ("t5", "eager", "checkpointing"): (1, _T5_CHECKPOINTING),
+    ("t5", "sdpa", "checkpointing"): (1, _T5_CHECKPOINTING),
 }
 CASES = [pytest.param(name, impl, variant, marks=(
-    ([] if (name, impl, variant) in SUBSET else
-     [pytest.mark.slow, pytest.mark.skipif(not FULL, reason="HF_SWEEP=full runs the whole sweep")])
-    + ([pytest.mark.xfail(strict=True, reason=NOT_COMPILED[name, impl, variant])]
-       if (name, impl, variant) in NOT_COMPILED else [])))
+    () if (name, impl, variant) in SUBSET else
+    (pytest.mark.slow, pytest.mark.skipif(not FULL, reason="HF_SWEEP=full runs the whole sweep"))))
     for name in _hf.MODELS for impl in _hf.IMPLEMENTATIONS for variant in ("defaults", "checkpointing")]
 
 
@@ -72,7 +75,11 @@ def _twin(name: str, impl: str) -> int:
 
 @pytest.mark.parametrize("name,impl,variant", CASES)
 def test_hf_variant_fused_as_its_twin(name, impl, variant):
-    want = _twin(name, impl)
     fused, problems = _fused(name, impl, variant)
     assert not problems, f"{name} ({impl}, {variant}):\n  " + "\n  ".join(problems)
+    if (name, impl, variant) in NOT_COMPILED:
+        sites, why = NOT_COMPILED[name, impl, variant]
+        assert fused == sites, f"{name} ({impl}, {variant}): {fused} attention sites fused, {sites} expected: {why}"
+        return
+    want = _twin(name, impl)
     assert fused >= want, f"{name} ({impl}, {variant}): {fused} attention sites fused, the use_cache=False twin {want}"
