@@ -104,18 +104,18 @@ def part_state(args: argparse.Namespace) -> dict[str, Any]:
              torch.randint(0, 1000, (batch,), generator=g).to(DEVICE)) for _ in range(4)]
     cols = ["dtype", "variant", "step ms", "first step s", "max |d| running_mean", "max |d| running_var",
             "max |d| num_batches_tracked", "max |d| param", "max |d| adamw", "fallbacks"]
-    what = f"ResNet-50, batch {batch}, {img} px, {args.steps} AdamW steps"
+    what = f"ResNet-50, batch {batch}, {img} px, {args.steps} AdamW steps at lr {args.lr}"
     rows, t_start = [], time.perf_counter()
-    for dtype in ("fp32", "bf16"):
+    for dtype in args.dtypes.split(","):
         finals: dict[str, dict[str, torch.Tensor]] = {}
-        for variant in ("eager", "inductor reduce-overhead", "enn", "enn reduce-overhead"):
+        for variant in ["eager"] + [v for v in args.variants.split(",") if v != "eager"]:
             if time.perf_counter() - t_start > args.budget_s:
                 rows.append({"dtype": dtype, "variant": variant, "note": "skipped: budget"})
                 continue
             fresh_process_state()
             model = copy.deepcopy(base).train()
             fn = compiled(model, variant)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
             amp = torch.autocast(DEVICE, torch.bfloat16, enabled=dtype == "bf16")
             times = []
             for step in range(args.steps):
@@ -178,7 +178,7 @@ def part_padding(args: argparse.Namespace) -> dict[str, Any]:
     what = (f"HF BERT MLM, {layers} layers, batch {batch}, {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "
             f"{epochs} epochs of {len(lengths)} steps, bf16 autocast, AdamW")
     rows, t_start = [], time.perf_counter()
-    for variant in ("eager", "inductor", "inductor reduce-overhead", "enn", "enn reduce-overhead"):
+    for variant in ["eager"] + [v for v in args.variants.split(",") if v != "eager"]:
         if time.perf_counter() - t_start > args.budget_s:
             rows.append({"variant": variant, "note": "skipped: budget"})
             continue
@@ -317,6 +317,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--budget-s", type=float, default=540.0)
     ap.add_argument("--tiny", action="store_true", help="small sizes (a CPU smoke run)")
+    ap.add_argument("--variants", default="inductor,inductor reduce-overhead,enn,enn reduce-overhead",
+                    help="what runs beside eager (always first): backend and mode, comma-separated")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="state: fp32 and / or bf16 (autocast)")
+    ap.add_argument("--lr", type=float, default=1e-4,
+                    help="state: AdamW's learning rate (0: parameters stay, statistics and moments still change)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     args.partial = lambda rows, columns, what: write(args, {"rows": rows, "columns": columns, "what": what}, final=False)
@@ -326,8 +331,8 @@ def main() -> None:
 def write(args: argparse.Namespace, result: dict[str, Any], final: bool = True) -> None:
     """Print the part's table and write it to --out (after every variant: a run cut short keeps what it measured)."""
     result.update(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
-                  command=f"python bench/gpu_host_bound.py --part {args.part} --steps {args.steps}"
-                          + (" --tiny" if args.tiny else ""))
+                  command=f"python bench/gpu_host_bound.py --part {args.part} --steps {args.steps} --lr {args.lr} "
+                          f"--dtypes {args.dtypes} --variants '{args.variants}'" + (" --tiny" if args.tiny else ""))
     lines = [f"# Host-bound steps: {args.part}", "", f"`{result['command']}` -- {result['device']}, torch {result['torch']}",
              "", result["what"], ""] + md_table(result["rows"], result["columns"])
     print("\n".join(lines) if final else json.dumps(result["rows"][-1], default=str), flush=True)
