@@ -173,7 +173,7 @@ def part_padding(args: argparse.Namespace) -> dict[str, Any]:
         batches.append(tuple(t.to(DEVICE) for t in (ids.masked_fill(mask == 0, 0), mask, labels)))
     epochs = 3
     orders = [torch.randperm(len(batches), generator=g).tolist() for _ in range(epochs)]
-    cols = ["variant", "first epoch s", "later epochs s (each)", "speed-up vs enn default", "inductor recordings",
+    cols = ["variant", "first epoch s", "later epochs s (each)", "speed-up vs enn default", "dynamo graphs", "inductor recordings",
             "cudagraph_shapes", "uncaptured_shapes", "uncaptured_calls", "max |loss - eager|", "fallbacks"]
     what = (f"HF BERT MLM, {layers} layers, batch {batch}, {len(lengths)} lengths {lengths[0]}..{lengths[-1]}, "
             f"{epochs} epochs of {len(lengths)} steps, bf16 autocast, AdamW")
@@ -184,6 +184,7 @@ def part_padding(args: argparse.Namespace) -> dict[str, Any]:
             continue
         fresh_process_state()
         rec0 = inductor_recordings()
+        graphs0 = int(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0))
         model = copy.deepcopy(base)
         fn = compiled(model, variant)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -207,9 +208,12 @@ def part_padding(args: argparse.Namespace) -> dict[str, Any]:
                "last epoch losses": [round(float(x), 5) for x in losses]}
         if "reduce-overhead" in variant:
             row["inductor recordings"] = inductor_recordings() - rec0
+        row["dynamo graphs"] = int(torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)) - graphs0
         if variant.startswith("enn"):
             row.update(cudagraph_counts())
             row["fallbacks"] = len(enn_backend.report().fallbacks)
+            row["per graph"] = {g.id: {k: v for k, v in g.counters.items() if k == "calls" or "captur" in k}
+                                for g in enn_backend.report().graphs}
         rows.append(row)
         args.partial(rows, cols, what)
         del fn, model, opt

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import blocks, compat, compile_time
+from . import blocks, compat, compile_time, size_recompiles
 from .aot_cache import WarmStart, content_digest, offer
 from .cudagraph_cap import capped
 from .debug.log import log_compiled_graph
@@ -57,6 +57,7 @@ def enn(gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None =
         return compat.inductor_compile_fx(gm, example_inputs,
                                           config_patches=compat.inductor_config_patches(opts.mode, opts.inductor))
     example_inputs = list(example_inputs)
+    size_recompiles.note_compile(gm, example_inputs)
     split = _split_into_blocks(gm, example_inputs, opts)
     return split if split is not None else compile_unit(gm, example_inputs, opts)
 

@@ -55,6 +55,7 @@ class FallbackKind(str, enum.Enum):
     FAULT_NOT_PLANTED = "fault_not_planted"  # a fault_inject spec reached no graph of a compiled unit
     CUDAGRAPH_LIMIT = "cudagraph_limit"  # a graph's new input sizes past its cap of recorded CUDA graphs run uncaptured
     EXPORTING = "exporting"  # handed a graph while torch.export traced: it runs as captured, for export
+    RECOMPILE_LIMIT = "recompile_limit"  # Dynamo compiled a frame for new sizes up to its recompile_limit: later sizes run eagerly
 
 
 class GraphCounter(str, enum.Enum):
@@ -89,6 +90,7 @@ class Count(str, enum.Enum):
     BLOCKS_COMPILED = "blocks.compiled"  # graphs of split units (option blocks) compiled by Inductor
     BLOCKS_REUSED = "blocks.reused"  # ... that took the artifact of an equal graph compiled before
     BLOCKS_NOT_SPLIT = "blocks.not_split"  # graphs compiled whole under option blocks (the log says why)
+    SIZE_RECOMPILES = "dynamo.size_recompiles"  # Dynamo compiles of a frame for new sizes of static inputs (size_recompiles.py)
     FP8_NOT_LOWERED = "fp8.not_lowered"  # FP8 GEMMs compiled as an extern call of their eager kernel (lowerings/fp8.py)
     AOT_CACHE_HITS = "aot_cache.hits"
     AOT_CACHE_REFUSED = "aot_cache.refused"

@@ -282,3 +282,33 @@ def compile_split(gm: torch.fx.GraphModule, partition_of: Callable[[torch.fx.Nod
         SubmodCompiler(split, compile_fn, fake_mode_of(example_inputs)).run(*example_inputs)
     split.recompile()
     return split
+
+
+def dynamo_compile_id(gm: torch.fx.GraphModule) -> tuple[int, int] | None:
+    """(frame id, compiles of that frame before this one) of a graph Dynamo captured -- ``[0/3]``
+    in Dynamo's logs is (0, 3) -- or None where torch does not say. ``gm.meta["dynamo_compile_id"]``
+    (a ``torch._guards.CompileId``) on the supported versions; the compile context as a fallback."""
+    cid = gm.meta.get("dynamo_compile_id")
+    if cid is None:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+    frame, nth = getattr(cid, "frame_id", None), getattr(cid, "frame_compile_id", None)
+    return None if frame is None or nth is None else (int(frame), int(nth))
+
+
+def dynamo_source_name(node: torch.fx.Node) -> str | None:
+    """Where Dynamo took a placeholder's value from, as its guards name it (``L['kwargs']['input_ids']``)."""
+    src = getattr(node, "_dynamo_source", None)
+    if src is None:
+        return None
+    name = src.name  # a method up to torch 2.14, a property in later versions
+    return str(name() if callable(name) else name)
+
+
+def recompile_limit() -> int:
+    """Dynamo's limit on compiles of one frame, past which it runs the frame eagerly for new guards
+    (``recompile_limit``; ``cache_size_limit`` in older versions)."""
+    cfg = torch._dynamo.config
+    limit = getattr(cfg, "recompile_limit", None)
+    return int(limit if limit is not None else cfg.cache_size_limit)
