@@ -87,6 +87,7 @@ class Count(str, enum.Enum):
     DYNAMO_REFERENCE_COPIES_ALL = "guard.dynamo_reference_copies_all"  # a check that copied every input and attribute
     DYNAMO_BACKWARD_CHECKS = "guard.dynamo_backward_checks"  # backwards compared with the Dynamo graph's
     DYNAMO_BACKWARD_UNJUDGED = "guard.dynamo_backward_unjudged"  # ... whose reference gradients could not be computed
+    DYNAMO_BACKWARD_NO_ROOM = "guard.dynamo_backward_no_room"  # ... not compared: the reference's autograd run would not fit in device memory
     BLOCKS_COMPILED = "blocks.compiled"  # graphs of split units (option blocks) compiled by Inductor
     BLOCKS_REUSED = "blocks.reused"  # ... that took the artifact of an equal graph compiled before
     BLOCKS_NOT_SPLIT = "blocks.not_split"  # graphs compiled whole under option blocks (the log says why)

@@ -460,3 +460,28 @@ def test_a_backward_is_compared_when_an_output_gets_no_gradient():
     counters = enn_backend.report().to_dict()["counters"]
     assert counters.get("guard.dynamo_backward_checks", 0) >= 2, counters
     assert counters.get("guard.dynamo_backward_unjudged", 0) == 0, counters
+
+
+@pytest.mark.parametrize("free", [0, 10**12])
+def test_a_backward_reference_that_would_not_fit_in_device_memory_is_not_run(monkeypatch, free):
+    """On a GPU the Dynamo graph's run with autograd holds its activations beside the compiled
+    call's until the backward: it runs only where twice what the compiled call holds is free.
+    Simulated on the CPU (the memory seams of guard/dynamo_reference.py): with nothing free the
+    step's backward is not compared (counted, logged once), its forward is, and the step is eager's;
+    with room, the backward is compared."""
+    from enn_backend.guard import dynamo_reference as DR
+
+    allocated = iter(range(0, 10**9, 1000))  # every reading 1000 bytes more than the last
+    monkeypatch.setattr(DR, "_memory_device", lambda flat: torch.device("cpu"))
+    monkeypatch.setattr(DR, "_allocated", lambda device: next(allocated))
+    monkeypatch.setattr(DR, "_free", lambda device: free)
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="enn", options=ISOLATED)
+    assert_close_step(train_step(model, x, compiled), train_step(model, x))
+    counters = enn_backend.report().to_dict()["counters"]
+    if free:
+        assert counters.get("guard.dynamo_backward_checks", 0) >= 1 and "guard.dynamo_backward_no_room" not in counters
+    else:
+        assert counters.get("guard.dynamo_backward_no_room") == 1, counters
+        assert "guard.dynamo_backward_checks" not in counters, counters
+    assert enn_backend.report().to_dict()["fallbacks"] == []

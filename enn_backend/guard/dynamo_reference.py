@@ -45,7 +45,10 @@ found among the outputs' autograd history (counted as ``guard.dynamo_backward_ch
 Cost: on a sampled call, copies of what the unit writes, one eager run of the Dynamo graph
 (with autograd when the call records a backward, whose activations live until the backward) and,
 in the backward, one eager backward; an fp64 run only when the two disagree. Unsampled calls add
-a counter and a comparison.
+a counter and a comparison. On a GPU the run with autograd happens only where twice what the
+compiled call holds (its outputs and saved activations) is free on the device; elsewhere that
+call's backward is not compared, its forward is (logged once per unit, counted as
+``guard.dynamo_backward_no_room``): a check must not run out of memory a step that fits without it.
 """
 
 from __future__ import annotations
@@ -65,6 +68,27 @@ from .calls import LADDER, EnnGuardError, RngSnapshot, distributed, flat_args
 from .screen import compiled_is_worse, diverging, outputs
 
 log = logging.getLogger(__name__)
+
+
+# The Dynamo graph's run with autograd holds its activations until the backward, beside the compiled
+# call's: it runs only where this many times what the compiled call holds is free (module doc).
+REFERENCE_MEMORY_MARGIN = 2.0
+
+
+def _memory_device(flat: list) -> torch.device | None:
+    """The CUDA device of a call's tensors, whose memory the reference's autograd run must fit in
+    (None on the CPU: host memory is not budgeted)."""
+    return next((x.device for x in flat if isinstance(x, torch.Tensor) and x.is_cuda), None)
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device)
+
+
+def _free(device: torch.device) -> int:
+    """Bytes a new allocation on ``device`` can take: free in the driver, and held by the caching
+    allocator but unused."""
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def fp64_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -208,6 +232,7 @@ class DynamoReference:
         # call once the unit runs eagerly); the calls before it cost one comparison
         self.due = 1
         self.unjudged_said = False  # a backward that could not be compared: warned once per unit
+        self.no_room_said = False  # a backward reference skipped for want of device memory: logged once per unit
 
     @classmethod
     def wrap(cls, compiled: Callable[..., Any], gm: fx.GraphModule, opts: Any, unit: str,
@@ -318,13 +343,17 @@ class DynamoReference:
         except torch.OutOfMemoryError:
             self._off("no memory for copies of what the unit writes")
             return self.compiled(*args)
+        device = _memory_device(flat)
+        held = _allocated(device) if device is not None else 0
         out = self.compiled(*args)
         if rng.moved():
             self._off("it draws random numbers, which differ from eager's by design")
             return out
         # where the call records a backward, the reference runs with autograd: the backward's
-        # reference differentiates that same run (guard.dynamo_backward_checks)
+        # reference differentiates that same run (guard.dynamo_backward_checks), if it fits
         backward = self._backward_of(flat, out)
+        if backward and device is not None and not self._room(device, _allocated(device) - held):
+            backward = None
         kept: dict[str, Any] = {}
         ref, exc = self._run(flat, before, keep=kept) if backward else ([], None)
         if backward and exc is not None:
@@ -345,6 +374,25 @@ class DynamoReference:
         if backward:
             self._watch_backward(backward, flat, before, out, kept)
         return out
+
+    def _room(self, device: torch.device, held: int) -> bool:
+        """Whether the Dynamo graph's run with autograd fits on ``device`` beside the compiled call,
+        which holds ``held`` bytes (its outputs and saved activations) until its backward: the
+        reference holds its own until then, eager's usually more than compiled code's (nothing
+        fused, nothing recomputed), hence :data:`REFERENCE_MEMORY_MARGIN` times as much. If it
+        does not fit, this call's backward is not compared (its forward still is): a check must
+        not run a step out of memory that fits without it."""
+        need, free = REFERENCE_MEMORY_MARGIN * held, _free(device)
+        if free >= need:
+            return True
+        report().count(Count.DYNAMO_BACKWARD_NO_ROOM)
+        if not self.no_room_said:
+            self.no_room_said = True
+            log.warning("enn: unit %s: a backward not compared with the Dynamo graph's gradients: the reference's "
+                        "autograd run would need about %.2f GiB of %s beside the compiled step's %.2f GiB, %.2f GiB "
+                        "are free; its forward is compared (counted as guard.dynamo_backward_no_room)",
+                        self.unit, need / 2**30, device, held / 2**30, free / 2**30)
+        return False
 
     def _results(self, out: Any, flat: list, before: Before) -> list:
         """What the compiled call produced: its outputs, then what it wrote, as it left them."""
