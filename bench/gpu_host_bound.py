@@ -103,7 +103,8 @@ def part_state(args: argparse.Namespace) -> dict[str, Any]:
     data = [(torch.randn(batch, 3, img, img, generator=g).to(DEVICE),
              torch.randint(0, 1000, (batch,), generator=g).to(DEVICE)) for _ in range(4)]
     cols = ["dtype", "variant", "step ms", "first step s", "max |d| running_mean", "max |d| running_var",
-            "max |d| num_batches_tracked", "max |d| param", "max |d| adamw", "fallbacks"]
+            "max |d| num_batches_tracked", "max |d| param", "max |d| adamw", "rel running_mean", "rel running_var",
+            "rel param", "rel adamw", "fallbacks"]
     what = f"ResNet-50, batch {batch}, {img} px, {args.steps} AdamW steps at lr {args.lr}"
     rows, t_start = [], time.perf_counter()
     for dtype in args.dtypes.split(","):
@@ -143,6 +144,9 @@ def part_state(args: argparse.Namespace) -> dict[str, Any]:
                 for group in ("running_mean", "running_var", "num_batches_tracked", "param", "adamw"):
                     keys = [k for k in ref if group in k]
                     row[f"max |d| {group}"] = max(float((state[k].double() - ref[k].double()).abs().max()) for k in keys)
+                    # the same, each tensor's difference over its largest magnitude in eager's run
+                    row[f"rel {group}"] = max(float((state[k].double() - ref[k].double()).abs().max()
+                                                    / ref[k].double().abs().max().clamp_min(1e-30)) for k in keys)
                 row["fallbacks"] = len(enn_backend.report().fallbacks) if variant.startswith("enn") else "-"
                 row.update(cudagraph_counts() if variant.startswith("enn") else {})
             rows.append(row)
@@ -246,13 +250,26 @@ def _lm(family: str, tiny: bool) -> torch.nn.Module:
     return cls(cfg).to(DEVICE, torch.bfloat16 if DEVICE == "cuda" else torch.float32).eval()
 
 
+def near_tie(want: list[torch.Tensor], got: list[torch.Tensor], seq: int, step: int) -> dict[str, Any]:
+    """At the first token where greedy decoding differs from eager's (sequence ``seq``, new token
+    ``step``; the same tokens before it): eager's margin between its best and its second-best logit,
+    and how far the compiled logits are from eager's there. A margin smaller than the logits'
+    difference is a near tie that any rounding can flip, not a wrong result."""
+    a, b = want[step][seq], got[step][seq]
+    top2 = a.topk(2).values
+    diff = float((a - b).abs().max())
+    margin = float(top2[0] - top2[1])
+    return {"eager's top-2 margin there": margin, "max |logit - eager| there": diff, "near tie": margin <= 2 * diff}
+
+
 def part_generate(args: argparse.Namespace) -> dict[str, Any]:
     import transformers
 
     new_tokens = 8 if args.tiny else 256
     prompt_len = 16 if args.tiny else 128
     cols = ["model", "batch", "variant", "first call s", "tokens/s", "vs inductor reduce-overhead",
-            "tokens equal eager's", "first differing token", "max |kv - eager|", "fallbacks"]
+            "tokens equal eager's", "first differing token", "eager's top-2 margin there", "max |logit - eager| there",
+            "near tie", "max |kv - eager|", "fallbacks"]
     what = (f"generate, static cache, prompt {prompt_len}, {new_tokens} new tokens, greedy, "
             f"{'fp32' if DEVICE == 'cpu' else 'bf16 weights'}")
     rows, t_start = [], time.perf_counter()
@@ -270,7 +287,8 @@ def part_generate(args: argparse.Namespace) -> dict[str, Any]:
                 fresh_process_state()
                 model = copy.deepcopy(base)
                 kw: dict[str, Any] = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                          cache_implementation="static", return_dict_in_generate=True)
+                                          cache_implementation="static", return_dict_in_generate=True,
+                                          output_logits=True)
                 if variant == "eager":
                     kw["disable_compile"] = True
                 else:
@@ -289,12 +307,14 @@ def part_generate(args: argparse.Namespace) -> dict[str, Any]:
                 row = {"model": family, "batch": batch, "variant": variant, "first call s": times[0],
                        "tokens/s": batch * new_tokens / statistics.median(times[1:])}
                 if want is None:
-                    want = (tokens, out.past_key_values)
+                    want = (tokens, out.past_key_values, [x.float() for x in out.logits])
                 else:
                     same = tokens == want[0]
                     row["tokens equal eager's"] = f"{int(same.all(dim=1).sum())}/{batch} sequences"
                     first = (~same).nonzero()
                     row["first differing token"] = int(first[0, 1]) if len(first) else "-"
+                    if len(first):  # up to there both ran on the same tokens: their logits there compare
+                        row.update(near_tie(want[2], [x.float() for x in out.logits], int(first[0, 0]), int(first[0, 1])))
                     row["max |kv - eager|"] = max(
                         float((getattr(a, p).float() - getattr(b, p).float()).abs().max())
                         for a, b in zip(out.past_key_values.layers, want[1].layers) for p in ("keys", "values"))
