@@ -14,6 +14,7 @@ import torch
 
 from enn_backend import models
 from enn_backend.bench import cli, markdown, plots, runner, steps, summary
+from enn_backend.bench.backends import PAIRS
 from enn_backend.models.common import ModelSpec
 from enn_backend.models.real import AS_LEFT
 
@@ -180,7 +181,8 @@ def test_real_presets_and_only(capsys):
     real = cli.build_config(cli.parser().parse_args(["--preset", "real"]), [])
     assert real.device == "cuda" and real.dtypes == ["bf16"] and real.host_vs_kernel and not real.warm_compile
     variants = {v for pair in AS_LEFT.values() for v in pair}
-    assert real.models == [m for m in models.names("real") if m not in variants] and real.budget_s and real.budget_s <= 330
+    assert cli.NOT_IN_REAL == variants | {"tv_resnet50"}
+    assert real.models == [m for m in models.names("real") if m not in cli.NOT_IN_REAL] and real.budget_s and real.budget_s <= 330
     cpu = cli.build_config(cli.parser().parse_args(["--preset", "real-cpu", "--only", "hf_bert_eager,hf_llama_eager"]), [])
     assert cpu.device == "cpu" and cpu.models == ["hf_llama_eager", "hf_bert_eager"]  # the preset's order
     with pytest.raises(SystemExit, match="not in the quick preset"):
@@ -214,7 +216,9 @@ def _fake(cuda: bool) -> dict:
           "backends": {"eager": be(3.0), "inductor": be(2.0, None), "enn": be(2.2, None)},
           "host_vs_kernel": {"eager": {"wall_ms": 3.0, "kernel_ms": 2.9 if cuda else None, "idle_share": 0.03 if cuda else None},
                              "inductor": {"wall_ms": 2.0, "kernel_ms": 1.8 if cuda else None, "idle_share": 0.1 if cuda else None},
-                             "enn": {"wall_ms": 2.2, "kernel_ms": 1.5 if cuda else None, "idle_share": 0.32 if cuda else None}}}
+                             "enn": {"wall_ms": 2.2, "host_ms": 1.9, "kernel_ms": 1.5 if cuda else None,
+                                     "idle_share": 0.32 if cuda else None}},
+          "speedups": {"enn-reduce-overhead / inductor-reduce-overhead": 1.04}}
     wl["backends"]["enn"]["enn"] = {"fusions": {"attention": 2}, "kernel_choice_counts": {"flash": 2}, "fallbacks": {}}
     return {"preset": "real" if cuda else "real-cpu", "device": {"device": "cuda" if cuda else "cpu"},
             "config": {"backends": ["eager", "inductor", "enn"]}, "workloads": [wl], "skipped": []}
@@ -234,7 +238,8 @@ def test_markdown_host_kernel_table():
     md = markdown.render_markdown(_fake(cuda=True))
     assert "## Per workload: spread, enn's decisions, host and kernel time" in md
     row = next(line for line in md.splitlines() if line.startswith("| hf_gpt2_eager train bf16 |"))
-    assert "2.200 ±10%" in row and "attention=2" in row and "flash=2" in row and "1.500 / 2.200 (32%)" in row
+    assert "2.200 ±10%" in row and "attention=2" in row and "flash=2" in row and "1.500 / 1.900 / 2.200 (32%)" in row
+    assert "speed-up enn-reduce-overhead / inductor-reduce-overhead" in md and "| 1.040 |" in row
     assert "| n/a |" in md and "Accuracy not judged: hf_gpt2_eager train bf16 (not judged: the model drops out)" in md
     cpu_md = markdown.render_markdown(_fake(cuda=False))
     assert "every step is host time" in cpu_md and "kernel / wall" not in cpu_md
@@ -267,6 +272,7 @@ def test_real_cpu_preset_end_to_end(tmp_path, monkeypatch):
             assert be[b]["ok"], be[b]["error"]
             assert be[b]["accuracy"]["passed"], be[b]["accuracy"]
             assert w["host_vs_kernel"][b]["wall_ms"] == be[b]["time_ms"] and w["host_vs_kernel"][b]["kernel_ms"] is None
+            assert w["host_vs_kernel"][b]["host_ms"] > 0
         enn = be["enn"]["enn"]
         assert isinstance(enn["fusions"], dict), enn
         if w["model"].startswith("hf_"):
@@ -293,3 +299,11 @@ def test_host_kernel_plot(tmp_path):
     files = plots.write_outputs(_fake(cuda=True), str(tmp_path), "real")
     assert os.path.getsize(files["kernel vs wall time per step and backend"]) > 1000
     assert "kernel vs wall time per step and backend" not in plots.write_outputs(_fake(cuda=False), str(tmp_path), "cpu")
+
+
+def test_the_host_bound_preset_times_each_backend_in_its_default_mode_and_under_cuda_graphs():
+    hb = cli.build_config(cli.parser().parse_args(["--preset", "host-bound"]), [])
+    assert hb.models == ["tv_resnet50", "timm_vit_small", "hf_t5", "hf_bert_sdpa", "hf_gpt2_eager"]
+    assert hb.modes == ["train"] and hb.device == "cuda" and hb.host_vs_kernel
+    assert hb.backends == ["inductor", "inductor-reduce-overhead", "enn", "enn-reduce-overhead"]
+    assert ("inductor-reduce-overhead", "enn-reduce-overhead") in PAIRS

@@ -57,9 +57,10 @@ GPU_MODELS = ["gpt2_sdpa", "gpt2_naive", "llama", "bert", "alibi", "t5", "slidin
 # A sibling of the gpu preset: bench/gpu_session.sh runs it as its own stage ("real").
 # The real preset leaves out the models run as users leave them (the _defaults and _ckpt variants
 # of enn_backend.models.real.AS_LEFT); real-cpu has them all.
+# ResNet-50 runs in the host-bound preset only (ResNet-18 stands for the convnets in real).
 _AS_LEFT_VARIANTS = {v for variants in AS_LEFT.values() for v in variants}
-REAL_PRESET = dict(models=[m for m in models.names("real") if m not in _AS_LEFT_VARIANTS | {"tv_resnet50"}],
-                   modes=["train", "infer"],
+NOT_IN_REAL = _AS_LEFT_VARIANTS | {"tv_resnet50"}
+REAL_PRESET = dict(models=[m for m in models.names("real") if m not in NOT_IN_REAL], modes=["train", "infer"],
                    backends=["eager", "inductor", "enn"], warm_compile=False, host_vs_kernel=True)
 
 # real-defaults: each twin of AS_LEFT followed by its _defaults and _ckpt variants, so
@@ -72,7 +73,7 @@ REAL_DEFAULTS_MODELS = [m for twin, variants in AS_LEFT.items() for m in (twin, 
 
 # host-bound: the real models whose training steps leave the GPU idle (host-bound), under Inductor
 # and enn each in its default mode and with CUDA graphs (reduce-overhead), host and kernel time per
-# step. ResNet-50 is not in the real preset (ResNet-18 stands for the convnets there).
+# step.
 HOST_BOUND_MODELS = ["tv_resnet50", "timm_vit_small", "hf_t5", "hf_bert_sdpa", "hf_gpt2_eager"]
 
 PRESETS: dict[str, dict[str, Any]] = {
