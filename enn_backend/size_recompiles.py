@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -50,9 +50,17 @@ class Inputs:
     static: bool  # no symbolic size or integer among them
 
 
+@dataclass
+class _Frame:
+    """What enn saw of one frame's compiles: each compile's number and inputs, and what it said."""
+
+    compiles: list[tuple[int, Inputs]] = field(default_factory=list)
+    logged: bool = False  # its first size recompile was logged
+    limit_said: bool = False  # its recompile_limit fallback was reported (once, whatever its graphs)
+
+
 _lock = threading.Lock()
-_frames: dict[int, list[tuple[int, Inputs]]] = {}  # frame id -> (compile number, inputs) of its compiles
-_logged: set[int] = set()  # frames whose first size recompile was logged
+_frames: dict[int, _Frame] = {}  # by Dynamo's frame id
 
 
 def inputs_of(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Inputs:
@@ -79,28 +87,29 @@ def note_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         return
     frame, nth = cid
     now = inputs_of(gm, example_inputs)
+    limit = compat.recompile_limit()
     with _lock:
-        if nth == 0:  # the frame's first compile (again, after torch.compiler.reset()): a new history
-            _frames[frame] = []
-            _logged.discard(frame)
-        compiles = _frames.setdefault(frame, [])
+        restarted = nth == 0 and frame in _frames and any(n > 0 for n, _ in _frames[frame].compiles)
+        if frame not in _frames or restarted:  # its first compile (again, after torch.compiler.reset())
+            _frames[frame] = _Frame()
+        seen = _frames[frame]
         # an earlier compile of the frame (not another graph of this one) that differs in sizes only
-        earlier = next((c for n, c in compiles if n < nth and c.kinds == now.kinds and c.sizes != now.sizes), None)
-        compiles.append((nth, now))
+        earlier = next((c for n, c in seen.compiles if n < nth and c.kinds == now.kinds and c.sizes != now.sizes), None)
+        seen.compiles.append((nth, now))
         if earlier is None or not now.static:
             return
-        first = frame not in _logged
-        _logged.add(frame)
+        first, seen.logged = not seen.logged, True
+        at_limit = nth + 1 >= limit and not seen.limit_said
+        seen.limit_said = seen.limit_said or at_limit
     report().count(Count.SIZE_RECOMPILES)
     changed = "; ".join([f"{k[0]} {list(a)} -> {list(b)}"
                          for k, a, b in zip(now.kinds, earlier.sizes, now.sizes) if a != b][:4])
-    limit = compat.recompile_limit()
     if first:
         log.warning("enn: Dynamo compiled frame [%d/%d] again for new sizes of static inputs (%s): each new size "
                     "compiles again, and after torch._dynamo.config.recompile_limit=%d compiles the function runs "
                     "eagerly for sizes not seen. dynamic=True in torch.compile, or torch._dynamo.mark_dynamic(tensor, "
                     "dim) on the input, compiles one graph for all sizes.", frame, nth, changed, limit)
-    if nth + 1 == limit:
+    if at_limit:
         report().add_fallback(
             FallbackKind.RECOMPILE_LIMIT, node="<frame>", phase="compile",
             reason=(f"Dynamo compiled frame [{frame}/*] {limit} times (its recompile_limit), the last ones for new "

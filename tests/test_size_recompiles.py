@@ -62,3 +62,23 @@ def test_a_recompile_for_another_reason_is_not_counted():
         x = torch.randn(5, dtype=dtype)
         torch.testing.assert_close(compiled(x), _f(x))
     assert SIZE_RECOMPILES not in enn_backend.report().to_dict()["counters"]
+
+
+def test_a_graph_break_gives_two_frames_each_counted_and_limited_on_its_own():
+    """After a graph break Dynamo compiles the rest of the function as a frame of its own (its
+    resume function): a new size recompiles both, each a size recompile of its own frame, and
+    each frame reaches the limit once."""
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x) * 2
+        torch._dynamo.graph_break()
+        return y.sin() + 1
+
+    limit = compat.recompile_limit()
+    compiled = torch.compile(broken, backend="enn", dynamic=False, options={"persist": False})
+    for n in range(3, 3 + limit + 1):
+        x = torch.randn(n)
+        torch.testing.assert_close(compiled(x), broken(x))
+    rep = enn_backend.report().to_dict()
+    assert rep["counters"].get(SIZE_RECOMPILES) == 2 * (limit - 1)
+    frames = sorted(f["reason"].split("]")[0] for f in rep["fallbacks"] if f["kind"] == "recompile_limit")
+    assert frames == ["Dynamo compiled frame [0/*", "Dynamo compiled frame [1/*"], frames
