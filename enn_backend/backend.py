@@ -26,10 +26,11 @@ import torch
 import torch.fx as fx
 
 from . import blocks, compat, compile_time, size_recompiles
-from .aot_cache import WarmStart, content_digest, offer
+from .aot_cache import WarmStart, offer
 from .cudagraph_cap import capped
 from .debug.log import log_compiled_graph
 from .decompositions import decomposition_table
+from .fx_utils import content_digest
 from .graph_compiler import GraphCompiler, compile_fx_defaults
 from .guard import ranks
 from .guard.calls import flat_args
