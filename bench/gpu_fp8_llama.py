@@ -2,14 +2,16 @@
 D=2048, FFN 5632, GQA 16:4, T=2048, bf16 autocast, sdpa attention), one training step (forward,
 backward, fused AdamW) under enn with ``fp8`` off, rowwise and tensorwise, guard on (default).
 
-    python bench/gpu_fp8_llama.py [--layers 8] [--t 2048] [--rounds 5] [--out DIR]
+    python bench/gpu_fp8_llama.py [--layers 8] [--t 2048] [--rounds 5] [--profile] [--out DIR]
 
 Prints, and writes to DIR/fp8_llama.md (DIR: --out, else $OUT): step time per variant (median
 of interleaved rounds, spread), speedup over enn bf16, loss after the timed steps, how many GEMMs
 each variant ran in FP8 and why the others did not, how its FP8 GEMMs were compiled (lowered by
 enn's ``enn::fp8_mm`` lowering: fused quantization kernels and one scaled GEMM each; or extern
 calls of the op's eager kernel; or pinned by the guard to the bf16 GEMM), with the reason of each
-lowering fallback, fallback lines, peak memory.
+lowering fallback, fallback lines, peak memory. With ``--profile``, each variant's GPU kernel time
+per step by kind (:data:`KINDS`: bf16 and FP8 GEMMs, the quantization kernels, attention, the rest)
+and its top kernels, from ``torch.profiler``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,26 @@ def llama(t: int, layers: int) -> torch.nn.Module:
                       attn_implementation="sdpa")
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).cuda()
+
+
+# kernel kinds, first match wins: a kernel's name (cuBLAS / CUTLASS / Triton) against each pattern
+KINDS = (
+    ("fp8 gemm", re.compile(r"e4m3|e5m2|f8f8|fp8|scaled_mm|_f8_", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm80_|cublas|triton_tem_fused_mm|_mm_", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|efficient_attention", re.I)),
+    ("quantize", re.compile(r"amax|clamp_max|clamp_min|reciprocal|exp2|log2", re.I)),
+    ("optimizer", re.compile(r"adam|foreach|multi_tensor", re.I)),
+)
+
+
+def kernel_kinds(prof: dict) -> dict[str, float]:
+    """ms per step of GPU kernel time by kind (:data:`KINDS`, else ``other``), from a
+    :func:`enn_backend.bench.timing.profile` entry (its ``top`` list holds every kernel)."""
+    out: collections.Counter[str] = collections.Counter()
+    for k in prof["top"]:
+        kind = next((name for name, pat in KINDS if pat.search(k["name"])), "other")
+        out[kind] += k["self_ms_per_step"]
+    return dict(out)
 
 
 def train_step(model: torch.nn.Module, ids: torch.Tensor):
@@ -120,6 +142,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", default="off,rowwise,tensorwise")
+    ap.add_argument("--profile", action="store_true", help="kernel time per step by kind, per variant")
     ap.add_argument("--out", default=os.environ.get("OUT", ""))
     args = ap.parse_args()
     head = f"torch {torch.__version__}, {torch.cuda.get_device_name()}, LLaMA {args.layers}L d=2048 T={args.t} B={args.b}"
@@ -167,6 +190,20 @@ def main() -> None:
     for variant, i in info.items():
         lines += [f"fallbacks under fp8={variant}:"] + [f"  {f}" for f in i["fallbacks"][:12]]
         lines += [f"  enn.fp8_mm not lowered: {r}" for r in i["not_lowered"]]
+    if args.profile:
+        from enn_backend.bench.timing import profile
+
+        profs = profile(fns, "cuda", steps=3, top=10_000)
+        kinds = sorted({k for p in profs.values() for k in kernel_kinds(p)})
+        lines += ["", "GPU kernel time per step by kind (ms; torch.profiler, 3 steps):", "",
+                  "| fp8 | total | " + " | ".join(kinds) + " |", "|---" * (len(kinds) + 2) + "|"]
+        for variant, p in profs.items():
+            by = kernel_kinds(p)
+            lines.append(f"| {variant} | {p['total_ms_per_step']:.2f} | "
+                         + " | ".join(f"{by.get(k, 0.0):.2f}" for k in kinds) + " |")
+        for variant, p in profs.items():
+            lines += ["", f"top kernels under fp8={variant} (ms per step, calls per step):"]
+            lines += [f"  {k['self_ms_per_step']:7.3f} {k['calls_per_step']:6.1f}  {k['name']}" for k in p["top"][:25]]
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:

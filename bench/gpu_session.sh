@@ -53,7 +53,7 @@ for arg in "$@"; do
     # what the suite does not show: state after N steps, dynamic padding, HF generate with a static cache
     hostbound) timeout -s INT -k 15 560 python3 -m enn_backend bench --preset host-bound $ONLY --budget 420 --out "$OUT/hostbound" ;;
     state|padding|generate) timeout -s INT -k 15 560 python3 -m enn_backend bench --tool gpu_host_bound --part $stage --budget-s ${BUDGET:-420} --out "$OUT" ;;
-    fp8)       timeout -s INT -k 15 560 python3 -m enn_backend bench --tool gpu_fp8_llama --out "$OUT" ;;
+    fp8)       timeout -s INT -k 15 560 python3 -m enn_backend bench --tool gpu_fp8_llama --out "$OUT" ${FP8_ARGS:-} ;;
     cudagraphs) python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_cudagraph_cap.py tests/test_cudagraphs.py ;;
     demo)      python3 -m enn_backend demo ;;
     *) echo "unknown stage $stage" ;;
