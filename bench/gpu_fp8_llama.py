@@ -2,7 +2,13 @@
 D=2048, FFN 5632, GQA 16:4, T=2048, bf16 autocast, sdpa attention), one training step (forward,
 backward, fused AdamW) under enn with ``fp8`` off, rowwise and tensorwise, guard on (default).
 
-    python bench/gpu_fp8_llama.py [--layers 8] [--t 2048] [--rounds 5] [--profile] [--out DIR]
+    python bench/gpu_fp8_llama.py [--layers 8] [--t 2048] [--b 1] [--rounds 5] [--profile]
+                                  [--variants off,rowwise,tensorwise,inductor,ao-tensorwise:enn] [--out DIR]
+
+Variants: ``off`` / ``rowwise`` / ``tensorwise`` are enn with that ``fp8`` option; ``inductor``
+is Inductor in bf16; ``ao-RECIPE:BACKEND`` is the model converted by torchao's
+``convert_to_float8_training`` (that recipe, every linear but ``lm_head``; torchao installed
+or carried as a wheel) and compiled by BACKEND (``inductor`` or ``enn``, guard on).
 
 Prints, and writes to DIR/fp8_llama.md (DIR: --out, else $OUT): step time per variant (median
 of interleaved rounds, spread), speedup over enn bf16, loss after the timed steps, how many GEMMs
@@ -75,6 +81,21 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor):
         return out.loss
 
     return step, last
+
+
+def build(variant: str, t: int, layers: int) -> tuple[torch.nn.Module, dict]:
+    """The model of ``variant`` (module doc) and how to compile it."""
+    model = llama(t, layers)
+    if variant == "inductor":
+        return model, {"backend": "inductor"}
+    if variant.startswith("ao-"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        recipe, backend = variant.removeprefix("ao-").split(":")
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                                   module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        return model, {"backend": backend}
+    return model, {"backend": "enn", "options": {"fp8": variant}}
 
 
 def fp8_summary() -> tuple[int, int, dict[str, int]]:
@@ -153,8 +174,8 @@ def main() -> None:
         torch._dynamo.reset()
         enn_backend.reset()
         t0 = time.time()
-        model = llama(args.t, args.layers)
-        step, last = train_step(compile_with(model, {"backend": "enn", "options": {"fp8": variant}}), ids)
+        model, spec = build(variant, args.t, args.layers)
+        step, last = train_step(compile_with(model, spec), ids)
         codes: list[str] = []
         known = lowering_fallbacks()
         with generated_code(codes):  # the compile happens in the first step (the backward's in its backward)

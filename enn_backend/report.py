@@ -93,6 +93,8 @@ class Count(str, enum.Enum):
     BLOCKS_NOT_SPLIT = "blocks.not_split"  # graphs compiled whole under option blocks (the log says why)
     SIZE_RECOMPILES = "dynamo.size_recompiles"  # Dynamo compiles of a frame for new sizes of static inputs (size_recompiles.py)
     FP8_NOT_LOWERED = "fp8.not_lowered"  # FP8 GEMMs compiled as an extern call of their eager kernel (lowerings/fp8.py)
+    FP8_QUANTIZATIONS_SHARED = "fp8.quantizations_shared"  # an FP8 GEMM operand another GEMM of its graph had quantized
+    FP8_SCALES_SHARED = "fp8.scales_shared"  # a tensorwise scale taken over elements another GEMM had scaled (lowerings/fp8.py)
     AOT_CACHE_HITS = "aot_cache.hits"
     AOT_CACHE_REFUSED = "aot_cache.refused"
     AOT_CACHE_CORRUPT_SIDECAR = "aot_cache.corrupt_sidecar"

@@ -18,7 +18,18 @@ step, with the same dtypes:
 Steps 1 and 3 are Inductor reduction and pointwise IR: the scheduler generates each operand's
 amax and its scale, clamp and cast as fused kernels (on the CPU the quantization of several
 operands of a graph shares one kernel), fused with the op that produced the operand where it
-can, and the bias add with what reads the result. Step 2 is whatever Inductor's
+can, and the bias add with what reads the result.
+
+One quantization per value and graph (:class:`_Shared`). GEMMs of one graph that read the same
+value quantize it once: the q, k and v projections (and gate and up) of a transformer layer
+read one normed activation, and their weight-gradient GEMMs read it again, transposed. Two calls
+share an operand's FP8 values and inverse scale when they quantize the same graph value (the
+same node of the graph, so the same elements in the same order) in the same format, scaling and
+orientation. Under ``tensorwise`` the scale is one amax over all elements, whatever their order,
+so two calls that read the same stored elements in different orders -- a gradient ``g`` in its
+input-gradient GEMM and ``g.T`` in its weight-gradient GEMM -- share the amax and scale, and each
+casts in its own layout. Shared or not, each GEMM gets the values it would get alone: sharing
+changes no result, only how many kernels compute it. Step 2 is whatever Inductor's
 ``tuned_scaled_mm`` picks: cuBLAS or its Triton templates on a GPU; on a CPU its only choice, the
 extern call of ``at::_scaled_mm_out`` (torch's CPU FP8 GEMM). Without this lowering the op is an
 extern call whose eager body runs each quantization step as its own ATen kernel.
@@ -40,9 +51,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional
+import weakref
+from typing import Any, Optional
 
 import torch
+from torch._inductor import ir
+from torch._inductor.virtualized import V
 
 from enn_backend import compat
 from enn_backend.custom_ops import fp8 as F8
@@ -80,23 +94,118 @@ def fallback_reasons() -> frozenset[str]:
         return frozenset(_logged)
 
 
-def _quantize(x, fmt: str, dim: Optional[int], pow2: bool):
-    """``(q, inverse scale)`` of ``x`` as IR, exactly ``custom_ops.fp8.quantize``: scales per slice
-    along ``dim`` (kept as a size-1 dimension) or per tensor (``dim`` None, 0-dim scale)."""
-    f8 = F8.FORMATS[fmt]
-    fmax = torch.finfo(f8).max
-    x32 = _cast(x, torch.float32)
-    ax = _L(aten.abs.default)(x32)
+def _scale(x, fmt: str, dim: Optional[int], pow2: bool):
+    """The scale of ``x`` in ``fmt`` as IR, exactly ``custom_ops.fp8.quantize``'s: per slice along
+    ``dim`` (kept as a size-1 dimension) or per tensor (``dim`` None, 0-dim)."""
+    fmax = torch.finfo(F8.FORMATS[fmt]).max
+    ax = _L(aten.abs.default)(_cast(x, torch.float32))
     amax = _L(aten.amax.default)(ax, [] if dim is None else [dim], dim is not None)
     amax64 = _L(aten.clamp_min.default)(_cast(amax, torch.float64), F8.EPS)
     # eager's ``fmax / t`` is ``t.reciprocal() * fmax`` (Tensor.__rtruediv__): two fp64 roundings
     scale = _cast(_L(aten.mul.Tensor)(_L(aten.reciprocal.default)(amax64), fmax), torch.float32)
     if pow2:
         scale = _L(aten.exp2.default)(_L(aten.floor.default)(_L(aten.log2.default)(scale)))
+    return scale
+
+
+def _cast_to_fp8(x, scale, fmt: str):
+    """``fp8(clamp(float32(x) * scale, -fmax, fmax))`` as IR."""
+    f8 = F8.FORMATS[fmt]
+    fmax = torch.finfo(f8).max
     # eager's clamp(v, -fmax, fmax) is min(max(v, -fmax), fmax) (NaN stays NaN); Inductor has it
     # as these two lowerings (aten.clamp is decomposed before lowering)
-    q = _L(aten.clamp_max.default)(_L(aten.clamp_min.default)(_L(aten.mul.Tensor)(x32, scale), -fmax), fmax)
-    return _cast(q, f8), _L(aten.reciprocal.default)(scale)
+    q = _L(aten.clamp_max.default)(_L(aten.clamp_min.default)(_L(aten.mul.Tensor)(_cast(x, torch.float32), scale),
+                                                              -fmax), fmax)
+    return _cast(q, f8)
+
+
+def _stored_elements(x) -> Any:
+    """The buffer (or storage box) whose elements ``x`` holds, each exactly once, or None.
+
+    ``x`` qualifies when it reaches that storage through reshapes, permutations and
+    reinterpretations that are permutations of a dense layout only (no slice, expand or offset),
+    so that any two such values over one storage hold the same multiset of elements: the same
+    amax. Anything else returns None (not shared)."""
+    node = x
+    while not isinstance(node, (ir.StorageBox, ir.Buffer)):
+        if isinstance(node, ir.ReinterpretView) and not _dense_permutation(node.layout):
+            return None
+        if not (isinstance(node, (ir.TensorBox, ir.PermuteView, ir.ReinterpretView)) or type(node) is ir.View):
+            return None
+        node = node.data
+    numel = _static(x.get_numel())
+    return node if numel is not None and numel == _static(node.get_numel()) else None
+
+
+def _static(expr) -> Optional[int]:
+    """A size or stride of the IR as an int, None where it is symbolic (FP8 GEMMs have static shapes)."""
+    try:
+        return int(expr)
+    except TypeError:
+        return None
+
+
+def _dense_permutation(layout) -> bool:
+    """Whether ``layout`` (sizes, strides, offset) is a dense layout's dimensions in some order."""
+    dims = [(_static(size), _static(stride)) for size, stride in zip(layout.size, layout.stride)]
+    if _static(layout.offset) != 0 or any(size is None or stride is None for size, stride in dims):
+        return False
+    expected = 1
+    for size, stride in sorted(dims, key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+class _Shared:
+    """The quantizations one graph's lowering has built, to hand out again (module doc): FP8
+    values and inverse scales by (value, format, scaling, orientation), tensorwise scales by the
+    stored elements they were taken over. The values it keys on are kept alive with their
+    entries, so an ``id`` is never reused within a graph."""
+
+    _per_graph: "weakref.WeakKeyDictionary[Any, _Shared]" = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self.quantized: dict[tuple, tuple[Any, Any, Any]] = {}  # key -> (value, q, inverse scale)
+        self.scales: dict[tuple, tuple[Any, Any]] = {}  # key -> (elements, scale)
+
+    @classmethod
+    def of_this_graph(cls) -> "_Shared":
+        graph = V.graph
+        with _lock:
+            return cls._per_graph.setdefault(graph, cls())
+
+
+def _quantize(x, fmt: str, dim: Optional[int], pow2: bool, transposed: bool = False):
+    """``(q, inverse scale)`` of ``x`` (or of its transpose, ``transposed``) as IR, exactly
+    ``custom_ops.fp8.quantize``, ``q`` realized row-major: scales per slice along ``dim`` of the
+    quantized value (kept as a size-1 dimension) or per tensor (``dim`` None, 0-dim scale). Built
+    once per value of the graph (:class:`_Shared`)."""
+    shared = _Shared.of_this_graph()
+    key = (id(x), transposed, fmt, dim, pow2)
+    if key in shared.quantized:
+        report().count(Count.FP8_QUANTIZATIONS_SHARED)
+        _, q, inv = shared.quantized[key]
+        return q, inv
+    value = _L(aten.permute.default)(x, [1, 0]) if transposed else x
+    scale = None
+    elements = _stored_elements(x) if dim is None else None
+    scale_key = (id(elements), fmt, pow2)
+    if elements is not None and scale_key in shared.scales:
+        report().count(Count.FP8_SCALES_SHARED)
+        scale = shared.scales[scale_key][1]
+    if scale is None:
+        scale = _scale(value, fmt, dim, pow2)
+        scale.realize()  # one amax pass, read by every cast of this value
+        if elements is not None:
+            shared.scales[scale_key] = (elements, scale)
+    q, inv = _cast_to_fp8(value, scale, fmt), _L(aten.reciprocal.default)(scale)
+    q, inv = _row_major(q), _row_major(inv)
+    shared.quantized[key] = (x, q, inv)
+    return q, inv
 
 
 def _row_major(x):
@@ -150,8 +259,7 @@ def lower_fp8_mm(a, b, bias, recipe: str, a_fmt: str, b_fmt: str):
     # b is quantized as its transpose [N, K] (rowwise: one scale per row of it, [N, 1]), stored
     # row-major and read back as [K, N] with strides (1, K): the column-major operand the GEMM
     # reads, written by the quantizing kernel itself (no separate transpose copy)
-    qbt, ib = _quantize(_L(aten.permute.default)(b, [1, 0]), b_fmt, 1 if rowwise else None, rowwise)
-    qa, qbt, ia, ib = (_row_major(x) for x in (qa, qbt, ia, ib))
+    qbt, ib = _quantize(b, b_fmt, 1 if rowwise else None, rowwise, transposed=True)
     qb = _L(aten.permute.default)(qbt, [1, 0])
     if rowwise:
         ib = _L(aten.view.default)(ib, [1, n])  # [N, 1] row-major is [1, N] row-major

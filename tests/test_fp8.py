@@ -481,3 +481,54 @@ def test_pinned_fp8_gemm_runs_its_safe_path_beside_lowered_ones():
     assert forward and all(pinned_fp8 not in c and c.count("extern_kernels._scaled_mm(") == 1 for c in forward)
     # the pinned backward: both gradient GEMMs of layer 1 on their safe path, no FP8 GEMM left
     assert any(c.count(pinned_fp8) == 2 and "_scaled_mm" not in c for c in backward)
+
+
+class SharedInput(nn.Module):
+    """Three FP8 projections of one activation (``q``, ``k``, ``v``, as attention's), between a
+    first and a last layer the pass keeps in their dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(32, 64, bias=False)
+        self.q, self.k, self.v = (nn.Linear(64, 64, bias=False) for _ in range(3))
+        self.out = nn.Linear(64, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.out(torch.relu(self.q(h)) * torch.sigmoid(self.k(h)) + self.v(h))
+
+
+@pytest.mark.parametrize("recipe", F8.RECIPES)
+def test_gemms_of_one_graph_quantize_a_shared_operand_once(recipe, monkeypatch):
+    """The q, k and v GEMMs read one activation: the forward graph quantizes it once for the three
+    (two quantizations shared), and so does the backward for their weight-gradient GEMMs, which
+    read it transposed (two more). Under ``tensorwise`` each output gradient's scale, taken for
+    its input-gradient GEMM, serves its weight-gradient GEMM too, which reads it transposed (three
+    scales shared). Values and gradients are bit for bit those of the same compile with every
+    GEMM quantizing its own operands: sharing changes no result."""
+    from enn_backend.lowerings import fp8 as LF
+
+    dtype = torch.bfloat16
+    _skip_unless_cpu_runs(dtype, recipe)
+    x = torch.randn(4, 16, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    g = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor], dict]:
+        torch._dynamo.reset()
+        enn_backend.reset()
+        m = SharedInput().to(dtype)
+        y = torch.compile(m, backend="enn", options={"fp8": recipe, "guard": "off", "fx_graph_cache": False})(x)
+        y.backward(g)
+        assert enn_backend.report().graphs[0].fusions.get("fp8") == 9  # q, k, v: forward + two gradient GEMMs each
+        return y, [p.grad for p in m.parameters()], dict(enn_backend.report().counters)
+
+    y, grads, counters = run()
+    assert counters["fp8.quantizations_shared"] == 4, counters
+    assert counters.get("fp8.scales_shared", 0) == (3 if recipe == "tensorwise" else 0), counters
+
+    monkeypatch.setattr(LF._Shared, "of_this_graph", classmethod(lambda cls: cls()))  # each GEMM on its own
+    y_alone, grads_alone, counters = run()
+    assert not counters.get("fp8.quantizations_shared") and not counters.get("fp8.scales_shared"), counters
+    assert torch.equal(y, y_alone)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_alone))
