@@ -47,12 +47,14 @@ def llama(t: int, layers: int) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).cuda()
 
 
-# kernel kinds, first match wins: a kernel's name (cuBLAS / CUTLASS / Triton) against each pattern
+# kernel kinds, first match wins: a kernel's name (cuBLAS / CUTLASS / Triton) against each pattern.
+# Inductor names a kernel after the graph ops it fuses: a pointwise or reduction kernel fused from
+# an FP8 GEMM's node (``..._mm_...``) holds that GEMM's operand quantization.
 KINDS = (
-    ("fp8 gemm", re.compile(r"e4m3|e5m2|f8f8|fp8|scaled_mm|_f8_", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm80_|cublas|triton_tem_fused_mm|_mm_", re.I)),
-    ("attention", re.compile(r"flash|fmha|attention|efficient_attention", re.I)),
-    ("quantize", re.compile(r"amax|clamp_max|clamp_min|reciprocal|exp2|log2", re.I)),
+    ("fp8 gemm", re.compile(r"e4m3|e5m2|f8f8|fp8|scaled_mm|_f8_|qqtst|qrtst|rqtst", re.I)),
+    ("quantize", re.compile(r"^triton_(poi|red|per)_fused.*_mm(_|$)|amax|clamp_max|clamp_min", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|sm80_|cublas|triton_tem_", re.I)),
     ("optimizer", re.compile(r"adam|foreach|multi_tensor", re.I)),
 )
 
