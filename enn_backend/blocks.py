@@ -24,17 +24,31 @@ lowering, code generation and kernel builds although its layers are one block re
    enn as a unit of its own: its passes, its guard, its report lines, exactly as a Dynamo graph.
    The segments' inputs that are the graph's own (parameters, buffers, the user's tensors) get
    their real example values, so a pass that reads a buffer's content still can.
-4. **Reuse** (:class:`ReuseTable`). AOT Autograd still traces each layer (its cost grows with
-   depth, as Dynamo's does), but Inductor compiles each distinct graph once: a layer whose
-   forward (or backward) graph -- ATen code after enn's passes, input layouts, constants,
-   pins -- equals an earlier layer's takes that layer's compiled artifact. Layers that differ
-   (a sliding-window layer among full-attention ones, a first layer with extra work) compile
-   as many times as there are distinct graphs.
+4. **Equal segments run one unit** (:func:`segment_key`). Dynamo passes parameters as graph
+   inputs, so a compiled segment is a function of its inputs alone. A segment whose Dynamo graph
+   equals an earlier one's -- its code with nodes named by position, constants by content, input
+   layouts, which inputs share storage, the module buffers it reads (by identity) -- is neither
+   traced nor compiled: it runs the earlier segment's compiled unit on its own inputs, forward
+   and backward (AOT Autograd compiles the unit's backward once, at the first backward call to
+   reach it), and the next segments are compiled for fake outputs laid out like that unit's. A
+   unit whose outputs alias its inputs or each other is not shared (what a new output aliases
+   depends on the inputs). A 32-layer decoder is then traced as head, one layer and tail.
+5. **Equal graphs build one artifact** (:class:`ReuseTable`). Segments that differ as Dynamo
+   graphs are traced apart, but Inductor compiles each distinct ATen graph once: a graph
+   (forward or backward) -- ATen code after enn's passes, input layouts, constants, pins --
+   equal to an earlier segment's takes that segment's compiled artifact. Layers that differ (a
+   sliding-window layer among full-attention ones, a first layer with extra work) compile as
+   many times as there are distinct graphs.
 
-What the guard does with shared code: each layer keeps its own guard (schedule, checks,
-ladder) and its own eager copy; only the artifact is shared. A fault found in one layer is
-localized in that layer, and the artifact rebuilt with the pin is that layer's alone: the
-other layers keep the shared artifact, and their own guards decide for them.
+What the guard does: each unit has one guard (schedule, checks, ladder, eager copy), so the
+layers that run one unit share its guard. Its checks sample calls of all those layers (a value
+check on the unit's first call checks the first layer that runs it; the warm-up counts calls,
+so it ends after fewer steps). A fault found in any of those calls is localized in the unit's
+graph -- the ops of one layer, named by the first such layer's modules and source lines -- and
+the artifact rebuilt with the pin is what every layer running the unit runs from then on: they
+run the same code, so a kernel wrong for one is that kernel in all of them. Units that differ
+(another kind of layer, the head, the tail) keep their own guards and artifacts. Where two units
+share only an artifact (step 5), a pin rebuilds that unit's artifact alone.
 
 What is given up: fusion across a layer boundary (the residual add that ends one layer and the
 norm that starts the next run as two kernels, one extra read and write of the hidden state per
@@ -348,45 +362,170 @@ def offer(table: Optional[ReuseTable], compiler: Any, compiled: Any, pinned_in: 
         table.built[key] = _Built(compiled, compiler.record, compiler.built_with_cpp_wrapper, pinned_in)
 
 
+# --------------------------------------------------------------------------- equal segments
+_META = ("recompute", "ac_graph_id", "custom", "partitioner_tag")  # node metadata compiles read
+
+
+def _is_buffer(x: Any) -> bool:
+    """Whether ``x`` is a module buffer as Dynamo passes it (the inputs a pass may read the
+    content of: passes.manager.ModuleState)."""
+    return (isinstance(x, torch.Tensor) and not compat.is_fake(x) and not isinstance(x, torch.nn.Parameter)
+            and not x.requires_grad and getattr(x, "_dynamo_static_input_type", None) is not None)
+
+
+def _target(n: fx.Node, gm: fx.GraphModule) -> Optional[str]:
+    t = n.target
+    if n.op == "call_function":
+        # torch's ops by name; any other function by identity (two closures may share a name)
+        named = isinstance(t, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator))
+        return repr(t) if named else f"{getattr(t, '__module__', '')}.{getattr(t, '__qualname__', t)}@{id(t)}"
+    if n.op == "get_attr":
+        value = getattr(gm, str(t), None)
+        if isinstance(value, fx.GraphModule):  # a higher-order op's body
+            return _structure(value)
+        if isinstance(value, torch.Tensor):
+            if value.numel() > 1 << 16 or value.is_meta or compat.is_fake(value):
+                return None
+            return f"{_layout(value)}|{content_digest(value)}"
+        return None
+    if n.op == "call_module":
+        return None
+    return "" if n.op == "placeholder" else str(t)  # an input is named by its position
+
+
+def _structure(gm: fx.GraphModule) -> Optional[str]:
+    """``gm``'s code with its nodes named by position, its constants by content, and the node
+    metadata compiles read; None where a node's meaning cannot be told (a submodule call, a
+    constant of unknown content)."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    lines = []
+    for n in gm.graph.nodes:
+        target = _target(n, gm)
+        if target is None:
+            return None
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")  # type: ignore[arg-type]
+        lines.append(f"{n.op} {target} {args!r} {[n.meta.get(k) for k in _META]!r}")
+    return "\n".join(lines)
+
+
+def segment_key(sub: fx.GraphModule, args: list) -> Optional[str]:
+    """What decides a segment's compiled unit, as Dynamo hands the segment over: its code (nodes
+    by position, constants by content), its inputs' layouts and kinds, which of them share
+    storage, and which module buffers it reads -- the buffers themselves, not their content:
+    a pass may compile a buffer's content in, and the check that it still holds it
+    (backend.BufferContentGuard) is cheap for one buffer, not for several taking turns. None
+    where a node's meaning cannot be told."""
+    code = _structure(sub)
+    if code is None:
+        return None
+    storages: dict[int, int] = {}
+    inputs = []
+    for i, x in enumerate(args):
+        if isinstance(x, torch.Tensor):
+            same = storages.setdefault(x.untyped_storage()._cdata, i)
+            kind = f"buffer at {x.data_ptr()}" if _is_buffer(x) else getattr(x, "_dynamo_static_input_type", None)
+            inputs.append(f"{_layout(x)}|{type(x).__name__}|{kind}|@{same}")
+        else:
+            inputs.append(_layout(x))
+    return hashlib.sha256("\0".join([code, *inputs]).encode()).hexdigest()
+
+
 # --------------------------------------------------------------------------- compile
 class Segment:
     """One compiled segment as the split graph calls it. While Dynamo's driver runs the split
     graph on fake tensors at compile time (to learn each segment's real output strides), the
     call goes to AOT Autograd's function under enn's wrappers, which return the fake outputs;
     enn's per-unit wrappers (the Dynamo-graph reference, the buffer-content check) see only real
-    calls."""
+    calls. That call's inputs and outputs are kept (``traced``): a later equal segment gets fake
+    outputs like them (:meth:`outputs_for`)."""
 
-    def __init__(self, compiled: Callable[..., Any]) -> None:
+    def __init__(self, compiled: Callable[..., Any], graphs: int) -> None:
         self.compiled = compiled
         self.inner = compiled
         while getattr(self.inner, "wraps_unit", False):  # enn's per-unit wrappers (backend.py, guard/)
             self.inner = self.inner.compiled
+        self.graphs = graphs  # the unit's graphs: forward and backward, or one for inference
         self.at_compile = True
+        self.traced: Optional[tuple[list, Any]] = None  # (fake inputs, fake outputs) of the call at compile time
 
     def __call__(self, *args: Any) -> Any:
-        return (self.inner if self.at_compile else self.compiled)(*args)
+        if not self.at_compile:
+            return self.compiled(*args)
+        out = self.inner(*args)
+        self.traced = (list(args), out)
+        return out
+
+    def outputs_for(self, fake_mode: Any) -> Optional[Any]:
+        """Fake outputs for another call of this segment's unit (an equal segment's), in
+        ``fake_mode``: new tensors with the traced call's layouts. None where an output shares
+        storage with an input or another output, or starts past its storage's start (a view of
+        an input or of an intermediate, a written input): what such outputs alias depends on the
+        inputs, which the new tensors would not say. (The traced outputs themselves are views:
+        AOT Autograd lays its fake outputs out with ``as_strided``.)"""
+        if self.traced is None or not isinstance(self.traced[1], (tuple, list)):
+            return None
+        args, outs = self.traced
+        tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+        seen = {x.untyped_storage()._cdata for x in args if isinstance(x, torch.Tensor)}
+        for t in tensors:
+            cdata = t.untyped_storage()._cdata
+            if t.storage_offset() != 0 or cdata in seen:
+                return None
+            seen.add(cdata)
+        with fake_mode, torch.enable_grad():
+            new = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device) if isinstance(t, torch.Tensor)
+                   else t for t in outs]
+            # an output that needs a gradient comes out of an autograd function, not as a leaf
+            new = [x.requires_grad_().clone() if isinstance(t, torch.Tensor) and t.requires_grad else x
+                   for x, t in zip(new, outs)]
+        return type(outs)(new)
 
 
 def compile_split(gm: fx.GraphModule, example_inputs: list, opts: Any, p: Plan,
                   compile_unit: Callable[[fx.GraphModule, list, Any], Callable[..., Any]]) -> Callable[..., Any]:
-    """``gm`` compiled as the chain of segments ``p`` describes, each distinct graph once."""
+    """``gm`` compiled as the chain of segments ``p`` describes: each distinct segment traced
+    and compiled once, each distinct ATen graph built once."""
     copied = recompute_cheap_inputs(gm, p)
     real = {n.name: x for n, x in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)}
     segments: list[Segment] = []
+    units: dict[str, Segment] = {}  # segment key -> the segment compiled for it
+    keys: dict[int, Optional[str]] = {}  # id of a segment's submodule -> its key, for its compile
+    reused = [0]
+
+    def real_inputs(sub: fx.GraphModule, args: list) -> list:
+        # the graph's own inputs keep their real values (passes may read a buffer's content)
+        return [real.get(ph.name, a) for ph, a in zip(sub.graph.find_nodes(op="placeholder"), args)]
+
+    def reuse_segment(sub: fx.GraphModule, args: list) -> Optional[tuple[Segment, Any]]:
+        key = segment_key(sub, real_inputs(sub, args))
+        owner = units.get(key) if key is not None else None
+        outputs = owner.outputs_for(compat.fake_mode_of(args)) if owner is not None else None
+        keys[id(sub)] = key
+        if owner is None or outputs is None:
+            return None
+        reused[0] += 1
+        report().count(Count.BLOCKS_REUSED, owner.graphs)  # its forward and backward graphs: the owner's
+        return owner, outputs
 
     def compile_segment(sub: fx.GraphModule, args: list) -> Segment:
-        # the graph's own inputs keep their real values (passes may read a buffer's content)
-        args = [real.get(ph.name, a) for ph, a in zip(sub.graph.find_nodes(op="placeholder"), args)]
-        seg = Segment(compile_unit(sub, args, opts))
+        before = len(report().graphs)
+        compiled = compile_unit(sub, real_inputs(sub, args), opts)
+        graphs = sum(2 if g.phase == "forward" else 1 for g in report().graphs[before:])
+        seg = Segment(compiled, graphs)
         segments.append(seg)
+        key = keys.pop(id(sub), None)
+        if key is not None:
+            units.setdefault(key, seg)
         return seg
 
     table = ReuseTable()
     with reusing(table):
-        split = compat.compile_split(gm, lambda n: p.segment_of[n], example_inputs, compile_segment)
+        split = compat.compile_split(gm, lambda n: p.segment_of[n], example_inputs, compile_segment, reuse_segment)
     for seg in segments:
         seg.at_compile = False
-    log.info("enn: graph of %d ops compiled as %s: %d distinct graphs compiled, %d reused%s",
-             len(p.segment_of), p.describe(), table.compiled, table.reused,
+        seg.traced = None
+    log.info("enn: graph of %d ops compiled as %s: %d segment(s) traced, %d run an equal segment's compiled code; "
+             "%d distinct graphs compiled, %d reused%s",
+             len(p.segment_of), p.describe(), len(segments), reused[0], table.compiled, table.reused,
              f"; {copied} mask/position value(s) recomputed per layer" if copied else "")
     return split

@@ -263,25 +263,92 @@ def keep_out_of_aot_cache(compiled: Any) -> Any:
 
 
 def compile_split(gm: torch.fx.GraphModule, partition_of: Callable[[torch.fx.Node], int], example_inputs: list,
-                  compile_fn: Callable[[torch.fx.GraphModule, list], Callable[..., Any]]) -> torch.fx.GraphModule:
+                  compile_fn: Callable[[torch.fx.GraphModule, list], Callable[..., Any]],
+                  reuse_fn: Callable[[torch.fx.GraphModule, list], tuple[Callable[..., Any], Any] | None] | None = None,
+                  ) -> torch.fx.GraphModule:
     """``gm`` cut into submodules by ``partition_of`` (torch.fx's ``split_module``, nodes kept in
     order), each compiled by ``compile_fn(submodule, example_inputs)`` through Dynamo's driver for
     split graphs (``SubmodCompiler``, DDPOptimizer's: each submodule's inputs are fake tensors
     with the strides the previous compiled submodule really returns; AOT Autograd's metadata is
     kept per submodule for the lazy backward compiles); the split graph module calling them.
     Each submodule keeps Dynamo's metadata (``_dynamo_source`` of its placeholders, ``gm.meta``),
-    so AOT Autograd still knows the parameters and buffers among its inputs."""
+    so AOT Autograd still knows the parameters and buffers among its inputs.
+
+    ``reuse_fn(submodule, fake_inputs)``, asked first for each submodule, may return a callable
+    compiled for an earlier submodule, which then runs this one (it takes the submodule's inputs
+    and returns its outputs as a tuple, as ``compile_fn``'s callables do), and the fake outputs
+    it returns for these inputs, which the next submodules are compiled for. Such a submodule
+    is not traced, and its backward is the earlier one's: AOT Autograd compiles each backward
+    lazily, on its first call, taking the forward's metadata from a stack that holds one entry
+    per traced submodule, in the order the backward calls reach them -- the reverse of the
+    forward's order of each callable's last use (which is the forward's order where no callable
+    is reused, as DDPOptimizer has it)."""
     from torch._dynamo.backends.distributed import SubmodCompiler, propagate_dynamo_source, propagate_metadata
-    from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing
+    from torch._dynamo.utils import _disable_saved_tensors_hooks_during_tracing, to_fake_tensor
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.fx.passes.split_module import split_module
+
+    class Reusing(SubmodCompiler):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.calls: list[int] = []  # per submodule in forward order: id of the callable that runs it
+            self.metadata: dict[int, Any] = {}  # id of a traced submodule's callable -> its forward's metadata
+
+        def run_node(self, n: torch.fx.Node) -> Any:
+            if n.op != "call_module":
+                return super().run_node(n)
+            args, _ = self.fetch_args_kwargs_from_env(n)
+            fake = [to_fake_tensor(a, self.fake_mode) if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)
+                    else a for a in args]
+            sub = self.fetch_attr(str(n.target))
+            hit = reuse_fn(sub, fake) if reuse_fn is not None else None
+            if hit is not None:
+                fn, out = hit
+                single = not isinstance(sub.graph.find_nodes(op="output")[0].args[0], tuple)
+                self.module.delete_submodule(n.target)
+                n.target = "compiled_" + str(n.target)
+                self.module.add_submodule(n.target, _TakeOutputs(fn, single))
+                self.calls.append(id(fn))
+                return out[0] if single else out
+            ctx = TracingContext.try_get()
+            ddp = getattr(ctx, "ddp_optimizer_ctx", None)
+            traced = len(ddp.metadata_per_bucket) if ddp is not None else 0
+            out = super().run_node(n)
+            fn = self.module.get_submodule(str(n.target)).submod
+            self.calls.append(id(fn))
+            if ddp is not None and len(ddp.metadata_per_bucket) > traced:
+                self.metadata[id(fn)] = ddp.metadata_per_bucket[-1]
+            return out
 
     split = split_module(gm, None, partition_of, keep_original_order=True)
     propagate_dynamo_source(gm, split)
     propagate_metadata(gm, split)
+    driver = Reusing(split, compile_fn, fake_mode_of(example_inputs))
     with _disable_saved_tensors_hooks_during_tracing():
-        SubmodCompiler(split, compile_fn, fake_mode_of(example_inputs)).run(*example_inputs)
+        driver.run(*example_inputs)
+    ddp = getattr(TracingContext.try_get(), "ddp_optimizer_ctx", None)
+    if ddp is not None and len(set(driver.calls)) < len(driver.calls):
+        backward_order: list[int] = []  # each traced callable at its last use in the forward, last first
+        for c in reversed(driver.calls):
+            if c in driver.metadata and c not in backward_order:
+                backward_order.append(c)
+        ddp.metadata_per_bucket = [driver.metadata[c] for c in reversed(backward_order)]
+        ddp.curr_bucket = len(ddp.metadata_per_bucket) - 1
     split.recompile()
     return split
+
+
+class _TakeOutputs(torch.nn.Module):
+    """A reused callable in the split graph: its outputs as the submodule returns them (Dynamo's
+    driver wraps its own compiled submodules alike: a single output is not a tuple)."""
+
+    def __init__(self, fn: Callable[..., Any], single: bool) -> None:
+        super().__init__()
+        self.submod, self.single = fn, single
+
+    def forward(self, *args: Any) -> Any:
+        out = self.submod(*args)
+        return out[0] if self.single and isinstance(out, (tuple, list)) else out
 
 
 def dynamo_compile_id(gm: torch.fx.GraphModule) -> tuple[int, int] | None:
