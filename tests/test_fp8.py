@@ -532,3 +532,30 @@ def test_gemms_of_one_graph_quantize_a_shared_operand_once(recipe, monkeypatch):
     assert not counters.get("fp8.quantizations_shared") and not counters.get("fp8.scales_shared"), counters
     assert torch.equal(y, y_alone)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_alone))
+
+
+# ----------------------------------------------------------------- FP8 in the user's own code
+def _user_fp8_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A dynamically scaled FP8 linear written by hand, as torchao's ``Float8Linear`` emits it:
+    FP8 casts and ``torch._scaled_mm`` in the graph Dynamo hands over."""
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    sx = fmax / x.abs().amax().float().clamp(min=1e-12)
+    sw = fmax / w.abs().amax().float().clamp(min=1e-12)
+    qx = (x.float() * sx).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+    qw = (w.float() * sw).clamp(-fmax, fmax).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(qx, qw.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal(), out_dtype=x.dtype)
+
+
+def test_a_unit_computing_in_fp8_itself_has_no_dynamo_graph_reference():
+    """A unit whose own code quantizes to FP8 (torchao, hand-written) is compiled and guarded as
+    any other, but not compared with its Dynamo graph run eagerly: compiled and eager quantization
+    may round values to neighbouring FP8 values with no fault, and that reference's fp64 judge
+    cannot run ``_scaled_mm`` (fp32 scales only). Said once, counted; nothing blamed."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=gen).bfloat16()
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    got = torch.compile(_user_fp8_linear, backend="enn")(x, w)
+    want = _user_fp8_linear(x, w)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.1, atol=0.1 * float(want.abs().max()))
+    assert enn_backend.report().counters["guard.dynamo_reference_off"] == 1
+    assert enn_backend.report().to_dict()["fallbacks"] == []

@@ -37,6 +37,12 @@ Not compared: a unit holding FP8 GEMMs (option ``fp8``: the fp8 pass rewrote a G
 ``enn::fp8_mm``; logged once, counted as ``guard.dynamo_reference_off``). Its Dynamo graph computes
 those GEMMs un-quantized, so FP8's own rounding would read as a fault there. The per-graph value
 check covers such a unit: its reference runs each FP8 GEMM as FP8 emulated (``custom_ops.fp8``).
+Nor a unit whose own code computes in FP8 (casts to an FP8 dtype, ``torch._scaled_mm``: torchao's
+``Float8Linear``, hand-written FP8): compiled code may compute a scale one rounding away from
+eager's and so round some values to the neighbouring FP8 value (an FP8 step is 6-12% of a
+value), a difference no fault made, and its fp64 run cannot judge it (``_scaled_mm`` takes fp32
+scales only). Logged once, counted as ``guard.dynamo_reference_off``; the per-graph value check
+still compares the unit's kernels with enn's eager copy.
 Nor a unit that draws random numbers (the RNG moves during its compiled call; random
 draws differ by design), nor one whose Dynamo graph cannot run eagerly (logged once, counted as
 ``guard.dynamo_reference_off``). A backward is compared where AOT Autograd's backward node is
@@ -112,6 +118,22 @@ def _low_precision(gm: fx.GraphModule) -> bool:
     for n in gm.graph.nodes:
         val = n.meta.get("example_value")
         if (isinstance(val, torch.Tensor) and val.dtype in LOW_PRECISION) or "autocast" in str(n.target):
+            return True
+    return False
+
+
+FP8_DTYPES = frozenset(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                          "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, name))
+SCALED_MM = frozenset(op for op in (getattr(torch, "_scaled_mm", None), torch.ops.aten._scaled_mm.default,
+                                    torch.ops.aten._scaled_mm) if op is not None)
+
+
+def _computes_in_fp8(gm: fx.GraphModule) -> bool:
+    """Does the Dynamo graph compute in FP8 itself (a value of an FP8 dtype, or a scaled GEMM)?"""
+    for n in gm.graph.nodes:
+        val = n.meta.get("example_value")
+        if (isinstance(val, torch.Tensor) and val.dtype in FP8_DTYPES) or (
+                n.op == "call_function" and n.target in SCALED_MM):
             return True
     return False
 
@@ -245,6 +267,12 @@ class DynamoReference:
             report().count(Count.DYNAMO_REFERENCE_OFF)
             log.info("enn: unit %s: no Dynamo-graph reference: it holds FP8 GEMMs (option fp8), which its Dynamo "
                      "graph computes un-quantized; its per-graph value checks compare them with FP8 emulated", unit)
+            return compiled
+        if checks and _computes_in_fp8(gm):
+            report().count(Count.DYNAMO_REFERENCE_OFF)
+            log.info("enn: unit %s: no Dynamo-graph reference: its code computes in FP8 (FP8 casts or "
+                     "torch._scaled_mm), where compiled and eager quantization may round values to neighbouring "
+                     "FP8 values without a fault; its per-graph value checks still run", unit)
             return compiled
         return cls(compiled, gm, opts, unit, metadata) if checks else compiled
 
