@@ -55,8 +55,6 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from torch._inductor import ir
-from torch._inductor.virtualized import V
 
 from enn_backend import compat
 from enn_backend.custom_ops import fp8 as F8
@@ -119,47 +117,6 @@ def _cast_to_fp8(x, scale, fmt: str):
     return _cast(q, f8)
 
 
-def _stored_elements(x) -> Any:
-    """The buffer (or storage box) whose elements ``x`` holds, each exactly once, or None.
-
-    ``x`` qualifies when it reaches that storage through reshapes, permutations and
-    reinterpretations that are permutations of a dense layout only (no slice, expand or offset),
-    so that any two such values over one storage hold the same multiset of elements: the same
-    amax. Anything else returns None (not shared)."""
-    node = x
-    while not isinstance(node, (ir.StorageBox, ir.Buffer)):
-        if isinstance(node, ir.ReinterpretView) and not _dense_permutation(node.layout):
-            return None
-        if not (isinstance(node, (ir.TensorBox, ir.PermuteView, ir.ReinterpretView)) or type(node) is ir.View):
-            return None
-        node = node.data
-    numel = _static(x.get_numel())
-    return node if numel is not None and numel == _static(node.get_numel()) else None
-
-
-def _static(expr) -> Optional[int]:
-    """A size or stride of the IR as an int, None where it is symbolic (FP8 GEMMs have static shapes)."""
-    try:
-        return int(expr)
-    except TypeError:
-        return None
-
-
-def _dense_permutation(layout) -> bool:
-    """Whether ``layout`` (sizes, strides, offset) is a dense layout's dimensions in some order."""
-    dims = [(_static(size), _static(stride)) for size, stride in zip(layout.size, layout.stride)]
-    if _static(layout.offset) != 0 or any(size is None or stride is None for size, stride in dims):
-        return False
-    expected = 1
-    for size, stride in sorted(dims, key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 class _Shared:
     """The quantizations one graph's lowering has built, to hand out again (module doc): FP8
     values and inverse scales by (value, format, scaling, orientation), tensorwise scales by the
@@ -174,7 +131,7 @@ class _Shared:
 
     @classmethod
     def of_this_graph(cls) -> "_Shared":
-        graph = V.graph
+        graph = compat.lowering_graph()
         with _lock:
             return cls._per_graph.setdefault(graph, cls())
 
@@ -192,7 +149,7 @@ def _quantize(x, fmt: str, dim: Optional[int], pow2: bool, transposed: bool = Fa
         return q, inv
     value = _L(aten.permute.default)(x, [1, 0]) if transposed else x
     scale = None
-    elements = _stored_elements(x) if dim is None else None
+    elements = compat.ir_elements(x) if dim is None else None
     scale_key = (id(elements), fmt, pow2)
     if elements is not None and scale_key in shared.scales:
         report().count(Count.FP8_SCALES_SHARED)

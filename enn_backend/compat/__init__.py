@@ -41,6 +41,7 @@ from .inductor import (  # noqa: F401
     CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, cpp_wrapper_config,
     device_builds_skip_vec_isa_probe, dynamo_counters,
     fallback_lowering, fx_graph_cache_counters, hash_files, inductor_cache_dir, inductor_compile_fx, inductor_config,
+    ir_elements, lowering_graph,
     without_cudagraphs, inductor_config_patches, inductor_lowering, inductor_lowerings_patched, inductor_option_types,
     lifts_params, mode_config_patches, real_inputs, real_inputs_at_hand, remove_noop_ops, select_decomp_table,
     stable_topological_sort)

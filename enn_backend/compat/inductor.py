@@ -275,6 +275,55 @@ def inductor_lowering(op: Any) -> Callable[..., Any]:
     return L.lowerings[op]
 
 
+def lowering_graph() -> Any:
+    """The graph Inductor is lowering now (``V.graph``, a ``GraphLowering``): the scope of
+    whatever a lowering shares between the ops of one graph."""
+    from torch._inductor.virtualized import V
+
+    return V.graph
+
+
+def ir_elements(x: Any) -> Any:
+    """The buffer (or storage box) whose elements the Inductor IR value ``x`` holds, each exactly
+    once, or None: ``x`` reaches it through reshapes, permutations and reinterpretations that
+    are permutations of a dense layout only (no slice, expand or offset), with static sizes. Any
+    two such values over one storage hold the same multiset of elements (the same amax)."""
+    from torch._inductor import ir
+
+    node = x
+    while not isinstance(node, (ir.StorageBox, ir.Buffer)):
+        if isinstance(node, ir.ReinterpretView) and not _dense_permutation(node.layout):
+            return None
+        if not (isinstance(node, (ir.TensorBox, ir.PermuteView, ir.ReinterpretView)) or type(node) is ir.View):
+            return None
+        node = node.data
+    numel = _static(x.get_numel())
+    return node if numel is not None and numel == _static(node.get_numel()) else None
+
+
+def _static(expr: Any) -> int | None:
+    """A size or stride of the IR as an int, None where it is symbolic."""
+    try:
+        return int(expr)
+    except TypeError:
+        return None
+
+
+def _dense_permutation(layout: Any) -> bool:
+    """Whether an IR ``layout`` (sizes, strides, offset) is a dense layout's dimensions in some order."""
+    dims = [(_static(size), _static(stride)) for size, stride in zip(layout.size, layout.stride)]
+    if _static(layout.offset) != 0 or any(size is None or stride is None for size, stride in dims):
+        return False
+    expected = 1
+    for size, stride in sorted(dims, key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 # --- Benchmark suite (enn_backend.bench) ------------------------------------------------
 # torch._inductor.utils.clear_inductor_caches exists from 2.1 to 2.13 (from 2.8 an alias of
 # clear_caches); checked in the 2.11 and 2.13 sources. Covered by tests/test_bench.py.
