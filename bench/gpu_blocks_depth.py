@@ -88,18 +88,18 @@ def child(layers: int, variant: str, steps: int, device: str, profile: int) -> d
         print(text.getvalue(), file=sys.stderr)
     import enn_backend.options as O
 
-    for _ in range(O.Options().guard_warmup + 5):  # past the guard's warm-up (every call checked)
+    for _ in range(O.Options().guard_warmup + 5 if steps else 0):  # past the guard's warm-up (every call checked)
         losses.append(step())
     times = []
-    for _ in range(steps):
+    for _ in range(steps):  # none: the first step alone (--steps 0)
         sync()
         a = time.perf_counter()
         step()
         sync()
         times.append(1e3 * (time.perf_counter() - a))
     out = {"layers": layers, "variant": variant, "first_step_s": round(first, 2),
-           "step_ms": round(statistics.median(times), 3),
-           "step_spread_pct": round(100 * (max(times) - min(times)) / statistics.median(times), 1),
+           "step_ms": round(statistics.median(times), 3) if times else 0.0,
+           "step_spread_pct": round(100 * (max(times) - min(times)) / statistics.median(times), 1) if times else 0.0,
            "losses": [round(float(x), 5) for x in losses[:4]],
            "peak_mem_mib": round(torch.cuda.max_memory_allocated() / 2 ** 20)}
     if backend == "enn":
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(
             f"| {r['layers']} | {r['variant']} | {r['first_step_s']} | "
             f"{r['first_step_s'] / b['first_step_s']:.2f}x | {r['step_ms']} | "
-            f"{b['step_ms'] / r['step_ms']:.3f}x | {r['step_spread_pct']} | {r['losses']} | {r['peak_mem_mib']} | "
+            f"{b['step_ms'] / r['step_ms'] if r['step_ms'] else 0:.3f}x | {r['step_spread_pct']} | {r['losses']} | {r['peak_mem_mib']} | "
             f"{r.get('blocks_compiled', '-')} / {r.get('blocks_reused', '-')} |" if b else f"| {r['layers']} | {r['variant']} | {r['first_step_s']} | - | {r['step_ms']} | - | | | | |")
     table = "\n".join(lines)
     print(table)

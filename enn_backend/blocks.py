@@ -52,11 +52,15 @@ share only an artifact (step 5), a pin rebuilds that unit's artifact alone.
 
 What is given up: fusion across a layer boundary (the residual add that ends one layer and the
 norm that starts the next run as two kernels, one extra read and write of the hidden state per
-layer), and host work per segment and call. Measured on an H200 (HF LLaMA d=1024, T=1024,
-training, ``bench/results/gpu-h200/blocks_depth_2026-11-28.md``): the first step of 8 layers took
-31 s against 50 s compiled whole (Inductor: 28 s), of 32 layers 70 s (Inductor: 73 s), and a step
-about 9% longer than compiled whole. So it is off by default: ``blocks="on"`` is for deep models
-whose compile time matters more than a few percent of step time.
+layer), and host work per segment and call: on an H200 (HF LLaMA d=1024, T=1024, training,
+``bench/results/gpu-h200/blocks_depth_2026-11-28.md``) a step took about 9% longer than compiled
+whole. So it is off by default: ``blocks="on"`` is for deep models whose compile time matters
+more than a few percent of step time. What it buys, on CPU (``bench/gpu_blocks_depth.py --device
+cpu``: LLaMA d=256, T=128, training, two shared cores): the first step of 2, 8 and 32 layers took
+23-28, 33-48 and 54 s, against 38-48 s (2 layers) and 51-79 s (8 layers) compiled whole; a layer
+past the first costs its share of Dynamo's trace and of the first step's run, no trace or
+compile of enn's. A graph of :data:`MIN_LAYERS` layers is split too: on CPU two layers compile
+faster split than whole (the whole graph builds each layer's C++ kernels; split, one layer's).
 Not split: graphs under CUDA graphs (``mode="reduce-overhead"``), under torch.distributed
 (DDPOptimizer splits those its own way), with symbolic shapes, with option ``nvtx`` (a shared
 artifact would name one layer's ranges for all), with ``fault_inject`` (faults are planted by

@@ -339,3 +339,45 @@ def test_layers_that_write_buffers_leave_eagers_state():
     for sa, sb in zip(opts[0].state.values(), opts[1].state.values()):
         for k in sa:
             torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _marked(t: torch.Tensor, kind: str) -> torch.Tensor:
+    t._dynamo_static_input_type = kind  # as Dynamo marks parameters and buffers
+    return t
+
+
+def test_a_segment_key_names_the_buffers_it_reads_not_their_content():
+    """Two layers reading equal buffers of their own are two units (the buffer-content check of
+    one unit would digest a different buffer every call); layers reading one buffer (HF's rotary
+    ``inv_freq``) are one. Layouts, and which inputs share storage, tell keys apart too."""
+    gm = torch.fx.symbolic_trace(lambda x, b: x * b + 1)
+    x = torch.randn(4, 8)
+    a, b = (_marked(torch.ones(8), "unguarded") for _ in range(2))
+    assert blocks.segment_key(gm, [x, a]) == blocks.segment_key(gm, [torch.randn(4, 8), a])
+    assert blocks.segment_key(gm, [x, a]) != blocks.segment_key(gm, [x, b])
+    assert blocks.segment_key(gm, [x, a]) != blocks.segment_key(gm, [torch.randn(4, 8).t().contiguous().t(), a])
+    y = torch.randn(8, 8)
+    assert blocks.segment_key(gm, [y[:4], y[4:, 0]]) != blocks.segment_key(gm, [y[:4], torch.randn(8, 8)[4:, 0]])
+    other = torch.fx.symbolic_trace(lambda x, b: x * b + 2)
+    assert blocks.segment_key(gm, [x, a]) != blocks.segment_key(other, [x, a])
+
+
+def test_an_equal_segment_gets_fake_outputs_laid_out_like_the_traced_ones():
+    """The next segments are compiled for these outputs: the traced call's strides and gradient
+    flags, not leaves; none where a traced output aliases an input or starts inside a storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        x = torch.empty(4, 8, requires_grad=True)
+        out = (x * 2).t()  # strides (1, 8)
+        flat = torch.empty(4, 8)
+    seg = blocks.Segment(lambda *a: None, 2)
+    seg.traced = ([x], [out, flat])
+    new = seg.outputs_for(mode)
+    assert [t.stride() for t in new] == [(1, 8), (8, 1)]
+    assert new[0].requires_grad and not new[0].is_leaf and not new[1].requires_grad
+    seg.traced = ([x], [x[1:]])
+    assert seg.outputs_for(mode) is None  # a view of the input
+    seg.traced = ([x], [out, out])
+    assert seg.outputs_for(mode) is None  # two outputs of one storage
