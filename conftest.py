@@ -17,6 +17,13 @@ import os
 # than on one thread). Set before torch is imported, so that subprocesses inherit it too; a
 # value the caller set is kept.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's CPU vector-ISA probe off: left on, every process that compiles C++ (each xdist worker
+# and each of the many subprocesses the tests start) builds a test library per candidate ISA and
+# dlopens each in a new Python process -- ~10 s of CPU with a fresh Inductor cache folder, ~3 s
+# with a warm one, per process. With it off Inductor takes the best ISA /proc/cpuinfo lists, as
+# the probe does wherever the compiler builds it (as it does on these machines); a compiler
+# that could not would fail the tests' compiles loudly. Nothing in enn reads the probe's result.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
