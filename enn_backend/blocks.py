@@ -485,6 +485,14 @@ class Segment:
         return type(outs)(new)
 
 
+def _graphs_of(args: list) -> int:
+    """The ATen graphs AOT Autograd builds for a segment called with ``args``: a forward and a
+    backward where the call records a backward (grad mode on, an input that requires grad), else
+    one."""
+    grad = torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    return 2 if grad else 1
+
+
 def compile_split(gm: fx.GraphModule, example_inputs: list, opts: Any, p: Plan,
                   compile_unit: Callable[[fx.GraphModule, list, Any], Callable[..., Any]]) -> Callable[..., Any]:
     """``gm`` compiled as the chain of segments ``p`` describes: each distinct segment traced
@@ -512,10 +520,8 @@ def compile_split(gm: fx.GraphModule, example_inputs: list, opts: Any, p: Plan,
         return owner, outputs
 
     def compile_segment(sub: fx.GraphModule, args: list) -> Segment:
-        before = len(report().graphs)
         compiled = compile_unit(sub, real_inputs(sub, args), opts)
-        graphs = sum(2 if g.phase == "forward" else 1 for g in report().graphs[before:])
-        seg = Segment(compiled, graphs)
+        seg = Segment(compiled, _graphs_of(args))
         segments.append(seg)
         key = keys.pop(id(sub), None)
         if key is not None:
