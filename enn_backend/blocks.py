@@ -56,10 +56,10 @@ layer), and host work per segment and call: on an H200 (HF LLaMA d=1024, T=1024,
 ``bench/results/gpu-h200/blocks_depth_2026-11-28.md``) a step took about 9% longer than compiled
 whole. So it is off by default: ``blocks="on"`` is for deep models whose compile time matters
 more than a few percent of step time. What it buys, on CPU (``bench/gpu_blocks_depth.py --device
-cpu``: LLaMA d=256, T=128, training, two shared cores): the first step of 2, 8 and 32 layers took
-23-28, 33-48 and 54 s, against 38-48 s (2 layers) and 51-79 s (8 layers) compiled whole; a layer
-past the first costs its share of Dynamo's trace and of the first step's run, no trace or
-compile of enn's. A graph of :data:`MIN_LAYERS` layers is split too: on CPU two layers compile
+cpu``: LLaMA d=256, T=128, training, two shared cores, noisy): the first step of 2, 8 and 32
+layers took 23-40, 33-48 and 50-54 s, against 38-48, 51-79 and 160 s compiled whole; a layer past
+the first costs its share of Dynamo's trace and of the first step's run, and about 0.04 s of
+enn's own (its key, the split). A graph of :data:`MIN_LAYERS` layers is split too: on CPU two layers compile
 faster split than whole (the whole graph builds each layer's C++ kernels; split, one layer's).
 Not split: graphs under CUDA graphs (``mode="reduce-overhead"``), under torch.distributed
 (DDPOptimizer splits those its own way), with symbolic shapes, with option ``nvtx`` (a shared
