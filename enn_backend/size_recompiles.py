@@ -55,6 +55,7 @@ class _Frame:
     """What enn saw of one frame's compiles: each compile's number and inputs, and what it said."""
 
     compiles: list[tuple[int, Inputs]] = field(default_factory=list)
+    first: Any = None  # Dynamo's compile context of the frame's first compile (every graph of it shares it)
     logged: bool = False  # its first size recompile was logged
     limit_said: bool = False  # its recompile_limit fallback was reported (once, whatever its graphs)
 
@@ -88,11 +89,14 @@ def note_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
     frame, nth = cid
     now = inputs_of(gm, example_inputs)
     limit = compat.recompile_limit()
+    context = compat.dynamo_compile_context()
     with _lock:
-        restarted = nth == 0 and frame in _frames and any(n > 0 for n, _ in _frames[frame].compiles)
-        if frame not in _frames or restarted:  # its first compile (again, after torch.compiler.reset())
-            _frames[frame] = _Frame()
-        seen = _frames[frame]
+        seen = _frames.get(frame)
+        # a frame's first compile starts its history, also when the id comes again: Dynamo numbers
+        # frames from 0 again after torch.compiler.reset(), whatever function they are; only the
+        # graphs of one compile (split by DDPOptimizer) share a first compile's context
+        if seen is None or (nth == 0 and (context is None or seen.first is not context)):
+            seen = _frames[frame] = _Frame(first=context if nth == 0 else None)
         # an earlier compile of the frame (not another graph of this one) that differs in sizes only
         earlier = next((c for n, c in seen.compiles if n < nth and c.kinds == now.kinds and c.sizes != now.sizes), None)
         seen.compiles.append((nth, now))

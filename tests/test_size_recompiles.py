@@ -55,6 +55,24 @@ def test_a_frame_compiled_again_after_a_reset_starts_a_new_history():
     assert SIZE_RECOMPILES not in enn_backend.report().to_dict()["counters"]
 
 
+def _g(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x) - 1
+
+
+def test_a_frame_id_given_again_after_a_reset_starts_the_new_functions_history(caplog):
+    """Dynamo numbers frames from 0 again after a reset: another function compiled as frame 0
+    is compared with its own earlier sizes, never with those of the function that held the id."""
+    torch.compiler.reset()  # _g is frame 0, and after the next reset _f is
+    torch.compile(_g, backend="enn", dynamic=False, options={"persist": False})(torch.randn(64))
+    torch.compiler.reset()
+    compiled = torch.compile(_f, backend="enn", dynamic=False, options={"persist": False})
+    with caplog.at_level(logging.WARNING, logger="enn_backend"):
+        _run(compiled, [3, 4])
+    assert enn_backend.report().to_dict()["counters"][SIZE_RECOMPILES] == 1
+    (logged,) = [r.getMessage() for r in caplog.records if "again for new sizes" in r.getMessage()]
+    assert "[3] -> [4]" in logged, logged
+
+
 def test_a_recompile_for_another_reason_is_not_counted():
     """A new dtype (another kind of input) compiles again, but not for a size."""
     compiled = torch.compile(_f, backend="enn", dynamic=False, options={"persist": False})

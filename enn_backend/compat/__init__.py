@@ -32,7 +32,8 @@ from .compile_events import compile_event  # noqa: F401
 from .cache_artifacts import record_cache_artifact, register_cache_artifact  # noqa: F401
 from .dynamo_aot import (  # noqa: F401
     FXGraphCacheMiss, aot_cache_hits, aot_metadata, is_aot_backward_node, aot_cache_usable, aot_entry_graph_keys, aot_entry_load, compile_lock,
-    compile_split, copy_dynamo_graph, current_tracing_context, donated_inputs, dynamo_compile_id, dynamo_source_name,
+    compile_split, copy_dynamo_graph, current_tracing_context, donated_inputs, dynamo_compile_context, dynamo_compile_id,
+    dynamo_source_name,
     eager_backward_compile, forward_results, functorch_config, is_dynamo_control_flow, keep_out_of_aot_cache,
     mutated_flat_inputs, no_aot_autograd_cache, recompile_limit, saved_tensors_kept, tracing_context)
 from .flex import (  # noqa: F401

@@ -364,6 +364,15 @@ def dynamo_compile_id(gm: torch.fx.GraphModule) -> tuple[int, int] | None:
     return None if frame is None or nth is None else (int(frame), int(nth))
 
 
+def dynamo_compile_context() -> Any:
+    """The compile Dynamo is running now (a ``torch._guards.CompileContext``: one per compile of a
+    frame, shared by every graph that compile hands to the backend), or None outside one."""
+    from torch._guards import CompileContext
+
+    try_get = getattr(CompileContext, "try_get", None)
+    return try_get() if try_get is not None else None
+
+
 def dynamo_source_name(node: torch.fx.Node) -> str | None:
     """Where Dynamo took a placeholder's value from, as its guards name it (``L['kwargs']['input_ids']``)."""
     src = getattr(node, "_dynamo_source", None)
