@@ -18,7 +18,10 @@ step, with the same dtypes:
 Steps 1 and 3 are Inductor reduction and pointwise IR: the scheduler generates each operand's
 amax and its scale, clamp and cast as fused kernels (on the CPU the quantization of several
 operands of a graph shares one kernel), fused with the op that produced the operand where it
-can, and the bias add with what reads the result.
+can, and the bias add with what reads the result. Step 2 is whatever Inductor's
+``tuned_scaled_mm`` picks: cuBLAS or its Triton templates on a GPU; on a CPU its only choice, the
+extern call of ``at::_scaled_mm_out`` (torch's CPU FP8 GEMM). Without this lowering the op is an
+extern call whose eager body runs each quantization step as its own ATen kernel.
 
 One quantization per value and graph (:class:`_Shared`). GEMMs of one graph that read the same
 value quantize it once: the q, k and v projections (and gate and up) of a transformer layer
@@ -29,10 +32,7 @@ orientation. Under ``tensorwise`` the scale is one amax over all elements, whate
 so two calls that read the same stored elements in different orders -- a gradient ``g`` in its
 input-gradient GEMM and ``g.T`` in its weight-gradient GEMM -- share the amax and scale, and each
 casts in its own layout. Shared or not, each GEMM gets the values it would get alone: sharing
-changes no result, only how many kernels compute it. Step 2 is whatever Inductor's
-``tuned_scaled_mm`` picks: cuBLAS or its Triton templates on a GPU; on a CPU its only choice, the
-extern call of ``at::_scaled_mm_out`` (torch's CPU FP8 GEMM). Without this lowering the op is an
-extern call whose eager body runs each quantization step as its own ATen kernel.
+changes no result, only how many kernels compute it.
 
 On the CPU the result is the eager op's bit for bit (tests/test_fp8.py). On a GPU the
 quantization is the same arithmetic in the same dtypes (its log2 and exp2 from Triton's math
