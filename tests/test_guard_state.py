@@ -417,3 +417,47 @@ def test_hf_training_with_dropout(make):
         return out
 
     assert_state_contract(*run_variants(case), bitwise=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. the caller's saved-tensor hooks
+
+
+def test_saved_tensor_hooks_see_the_steps_own_saved_tensors():
+    """A training step under the caller's ``saved_tensors_hooks`` (how ``save_on_cpu`` and
+    activation offloading work): every step packs and unpacks the same tensors (count, shapes,
+    dtypes, bytes) as with guard="off". The guard's checks run a second forward with autograd on
+    sampled calls (the Dynamo-graph reference); its saved tensors are its own business."""
+
+    def case(compile: Compile) -> State:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        fn = compile(model)
+        packed: list[tuple] = []
+        unpacked: list[tuple] = []
+
+        def seen(t: torch.Tensor) -> tuple:
+            return (t.dim(), *t.shape, t.element_size())
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            packed.append(seen(t))
+            return t
+
+        def unpack(t: torch.Tensor) -> torch.Tensor:
+            unpacked.append(seen(t))
+            return t
+
+        out: State = {}
+        for i, x in enumerate(_batches(1, 6, 4, 8)):
+            packed.clear(), unpacked.clear()
+            opt.zero_grad(set_to_none=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                fn(x).square().mean().backward()
+            opt.step()
+            snapshot(out, i, model, packed=torch.tensor([n for t in sorted(packed) for n in t]),
+                     unpacked=torch.tensor([n for t in sorted(unpacked) for n in t]))
+        return out
+
+    # bit for bit against guard="off" (eager saves what its ops save, compiled code what the partitioner keeps)
+    assert_state_contract(*run_variants(case), bitwise=True)

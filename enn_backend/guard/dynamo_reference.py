@@ -16,7 +16,8 @@ backward has run).
 
 **What the reference writes.** The Dynamo graph runs on copies of everything the unit writes,
 taken before the compiled call: the compiled call writes the caller's tensors once, and the
-reference never does. What the unit writes comes from AOT Autograd's mutation metadata
+reference never does. Nor does it show the caller's saved-tensor hooks what its autograd run
+saves: those hooks see the step's own saved tensors, as with the guard off. What the unit writes comes from AOT Autograd's mutation metadata
 (functionalization: a BatchNorm's running statistics, foreach updates, writes through views),
 never from op schemas alone. Where that metadata is missing, every tensor input and module
 attribute is copied (counted as ``guard.dynamo_reference_copies_all``); where the copies do not
@@ -59,10 +60,11 @@ call's backward is not compared, its forward is (logged once per unit, counted a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -95,6 +97,29 @@ def _free(device: torch.device) -> int:
     """Bytes a new allocation on ``device`` can take: free in the driver, and held by the caching
     allocator but unused."""
     return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+@contextlib.contextmanager
+def _own_saved_tensors() -> Iterator[None]:
+    """The reference's autograd run keeps the tensors its backward needs itself: the caller's
+    saved-tensor hooks (``torch.autograd.graph.save_on_cpu``, activation offloading, a memory
+    counter) are for the step they wrap, and must see what it saves, not a second run of it made
+    by the guard. Where torch forbids entering hooks (a transform that disables them), the run
+    goes as it is."""
+    hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    try:
+        hooks.__enter__()
+    except RuntimeError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        hooks.__exit__(None, None, None)
 
 
 def fp64_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
@@ -357,10 +382,12 @@ class DynamoReference:
 
     @staticmethod
     def _call(gm: fx.GraphModule, inputs: list, params: dict[str, torch.Tensor]) -> Any:
-        """``gm`` on ``inputs``, its module attributes named in ``params`` replaced by those."""
-        if not params:
-            return gm(*inputs)
-        return torch.func.functional_call(gm, params, tuple(inputs), strict=False)
+        """``gm`` on ``inputs``, its module attributes named in ``params`` replaced by those, its
+        saved tensors out of the caller's hooks (:func:`_own_saved_tensors`)."""
+        with _own_saved_tensors():
+            if not params:
+                return gm(*inputs)
+            return torch.func.functional_call(gm, params, tuple(inputs), strict=False)
 
     def _check(self, args: tuple, flat: list) -> Any:
         rng = RngSnapshot()
