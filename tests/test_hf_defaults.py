@@ -83,3 +83,72 @@ def test_hf_variant_fused_as_its_twin(name, impl, variant):
         return
     want = _twin(name, impl)
     assert fused >= want, f"{name} ({impl}, {variant}): {fused} attention sites fused, the use_cache=False twin {want}"
+
+
+# ---------------------------------------------------------------------------------------------
+# the loss inside the model
+
+LOSS_VOCAB = 1024  # logits (batch x tokens x vocab) the largest tensor of the step, as in real LMs
+LOSS_MODELS = [pytest.param(name, marks=() if name == "gpt2" else (
+    pytest.mark.slow, pytest.mark.skipif(not FULL, reason="HF_SWEEP=full runs the whole sweep")))
+    for name in ("gpt2", "llama")]
+
+
+def _saved_and_loss(name: str, backend: str | None) -> tuple[float, list[tuple]]:
+    """One model with its config's defaults and a larger vocabulary, trained under bf16 autocast
+    (``backend`` None: eager in fp64, no autocast): the loss of its second step and what that
+    step saved for its backward (``(shape, dtype, bytes)`` from ``saved_tensors_hooks``). A
+    backend that runs the loss as eager does (``aot_eager``) keeps an fp32 copy of the logits."""
+    import dataclasses
+
+    import transformers
+
+    spec = _hf.MODELS[name]
+    spec = dataclasses.replace(spec, cfg={**spec.cfg, "vocab_size": LOSS_VOCAB})
+    torch.manual_seed(0)
+    model = spec.make(transformers, "sdpa")
+    _hf.no_dropout(model)
+    model.train()
+    if backend is None:
+        model = model.double()
+    run = model if backend is None else torch.compile(model, backend=backend)
+    kwargs = _hf._inputs(model, spec.padding)
+    saved: list[tuple] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.dtype, t.numel() * t.element_size()))
+        return t
+
+    for _ in range(2):  # the second step: after the guard's first-call checks
+        saved.clear()
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=backend is not None):
+            loss = run(**kwargs).loss
+        loss.backward()
+    return loss.item(), saved
+
+
+@pytest.mark.parametrize("name", LOSS_MODELS)
+def test_loss_inside_the_model_as_inductor_computes_it(name):
+    """``labels=`` with the config's defaults: HF's loss function upcasts the bf16 logits to fp32
+    for the cross-entropy. Under enn the loss is no further from fp64 than Inductor's, and the
+    step saves no more for its backward than Inductor's (no fp32 copy of the logits kept that
+    Inductor does not keep)."""
+    exact, _ = _saved_and_loss(name, None)
+    errors, saved = {}, {}
+    for backend in ("inductor", "enn"):
+        torch._dynamo.reset()
+        enn_backend.reset()
+        loss, saved[backend] = _saved_and_loss(name, backend)
+        errors[backend] = abs(loss - exact) / abs(exact)
+    assert errors["enn"] <= errors["inductor"] * 1.05 + 1e-7, errors
+
+    def logits_sized(kept: list[tuple]) -> list[tuple]:
+        return [s for s in kept if s[0] and s[0][-1] == LOSS_VOCAB and s[1] == torch.float32]
+
+    total = {b: sum(s[2] for s in kept) for b, kept in saved.items()}
+    assert total["enn"] <= total["inductor"], (total, sorted(saved["enn"], key=lambda s: -s[2])[:4],
+                                               sorted(saved["inductor"], key=lambda s: -s[2])[:4])
+    assert len(logits_sized(saved["enn"])) <= len(logits_sized(saved["inductor"])), \
+        (logits_sized(saved["enn"]), logits_sized(saved["inductor"]))
