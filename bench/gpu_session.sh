@@ -54,6 +54,9 @@ for arg in "$@"; do
     hostbound) timeout -s INT -k 15 560 python3 -m enn_backend bench --preset host-bound $ONLY --budget 420 --out "$OUT/hostbound" ;;
     state|padding|generate) timeout -s INT -k 15 560 python3 -m enn_backend bench --tool gpu_host_bound --part $stage --budget-s ${BUDGET:-420} --out "$OUT" ;;
     fp8)       timeout -s INT -k 15 560 python3 -m enn_backend bench --tool gpu_fp8_llama --out "$OUT" ${FP8_ARGS:-} ;;
+    # issue #40: the first step's time against depth (HF LLaMA d=1024), Inductor and enn blocks=on, each run a new process
+    blocks)    timeout -s INT -k 15 560 python3 bench/gpu_blocks_depth.py --layers ${BLOCKS_LAYERS:-2,8,32} \
+                 --variants ${BLOCKS_VARIANTS:-inductor,enn-blocks} --steps 10 --out "$OUT/blocks" ;;
     cudagraphs) python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_cudagraph_cap.py tests/test_cudagraphs.py ;;
     demo)      python3 -m enn_backend demo ;;
     *) echo "unknown stage $stage" ;;
