@@ -3,10 +3,17 @@ its parser, below :mod:`enn_backend.options` (which validates the option with it
 guard (which plants the specs: :mod:`enn_backend.guard.faults`). Plain Python: importing it
 imports no torch.
 
-Grammar: ``<op>:<kind>[@<n>[+]][:<phase>][,<op>:<kind>[@<n>][:<phase>]...]``
+Grammar: ``<op>[/<module>]:<kind>[@<n>[+]][:<phase>][,<op>[/<module>]:<kind>[@<n>[+]][:<phase>]...]``
 
 - ``<op>``: an op packet or overload as printed by torch, e.g. ``aten.mm``,
   ``aten.addmm.default``, ``aten._softmax``, or an enn op such as ``enn.attention``.
+- ``/<module>``: only the op's nodes that run in a module whose path matches this glob (as
+  ``fp8_exclude``'s globs: ``fnmatch``, the whole path), the module path being the one the
+  report's sites give the node (``model.layers.3.mlp.down_proj``; a backward node has the
+  module of the forward node it differentiates). ``enn.fp8_mm/model.layers.3.mlp.down_proj:nan:bwd``
+  spoils that one FP8 layer's backward GEMMs; ``aten.mm/layers.*:inf`` the ``mm`` nodes of every
+  module under ``layers``. Without it, every node of the op. A glob that matches none of the
+  op's nodes plants nothing, which is reported like any spec that planted nothing.
 - ``<kind>``: ``raise`` | ``nan`` | ``inf`` | ``scale<f>`` (the output times ``f``, e.g.
   ``scale1.01``: finite but wrong values, which only the guard's value check sees). ``@<n>`` (an integer, at least 2) makes the
   fault intermittent, a flaky kernel: it strikes on every n-th call of each planted node
@@ -22,6 +29,7 @@ Grammar: ``<op>:<kind>[@<n>[+]][:<phase>][,<op>:<kind>[@<n>][:<phase>]...]``
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 from dataclasses import dataclass, field
 
@@ -41,17 +49,27 @@ class FaultSpec:
     phase: str = "any"
     every: int = 1  # strike on every n-th call of a planted node (1: every call)
     onward: bool = False  # with ``every`` n: strike on every call from the n-th on (``@<n>+``), a kernel that breaks
+    module: str = ""  # a glob of module paths (``/<module>``): only the op's nodes in a matching module ("": all)
     plan: int = field(default=0, compare=False, repr=False)  # the parse it came from (its unit)
 
     @property
     def text(self) -> str:
         """The spec as written in ``fault_inject``."""
         at = f"@{self.every}{'+' if self.onward else ''}" if self.every > 1 else ""
-        return f"{self.op}:{self.kind}{at}:{self.phase}"
+        where = f"/{self.module}" if self.module else ""
+        return f"{self.op}{where}:{self.kind}{at}:{self.phase}"
 
     def matches_target(self, target: object) -> bool:
-        names = target_names(target)
-        return self.op in names
+        """Whether ``target`` is this spec's op (whatever the module)."""
+        return self.op in target_names(target)
+
+    def matches(self, target: object, module: str) -> bool:
+        """Whether a node of ``target`` that runs in module path ``module`` gets this fault."""
+        return self.matches_target(target) and self.matches_module(module)
+
+    def matches_module(self, module: str) -> bool:
+        """Whether module path ``module`` matches this spec's ``/<module>`` glob (always, without one)."""
+        return not self.module or fnmatch.fnmatchcase(module, self.module)
 
     def applies_to(self, graph_phase: str) -> bool:
         """Whether this run-time fault is planted in a graph of ``graph_phase``."""
@@ -103,10 +121,14 @@ def parse_fault_specs(text: str) -> tuple[FaultSpec, ...]:
         parts = item.split(":")
         if len(parts) not in (2, 3):
             raise FaultSpecError(
-                f"enn: bad fault_inject entry {item!r}; expected <op>:<kind>[@<n>][:<phase>], "
+                f"enn: bad fault_inject entry {item!r}; expected <op>[/<module>]:<kind>[@<n>[+]][:<phase>], "
                 f"kind in {FAULT_KINDS}, phase in {FAULT_PHASES}"
             )
-        op, kind = parts[0].strip(), parts[1].strip()
+        op, slash, module = (p.strip() for p in parts[0].partition("/"))
+        kind = parts[1].strip()
+        if slash and not module:
+            raise FaultSpecError(f"enn: fault_inject entry {item!r}: '/' must be followed by a module path or glob, "
+                                 "e.g. enn.fp8_mm/model.layers.3.mlp.down_proj:nan")
         phase = parts[2].strip() if len(parts) == 3 else "any"
         kind, at, every_text = kind.partition("@")
         if op.count(".") not in (1, 2) or not all(op.split(".")):
@@ -127,5 +149,5 @@ def parse_fault_specs(text: str) -> tuple[FaultSpec, ...]:
                 raise FaultSpecError(f"enn: fault_inject entry {item!r}: a compile fault strikes once, at compile "
                                      f"time; @<n> is for run-time faults (phase fwd, bwd or any)")
             every = int(every_text)
-        specs.append(FaultSpec(op, kind, phase, every, onward, plan))
+        specs.append(FaultSpec(op, kind, phase, every, onward, module, plan))
     return tuple(specs)

@@ -181,7 +181,7 @@ class Options:
         default="",
         metadata=_meta(
             "ENN_FAULT_INJECT",
-            "Test facility: '<op>:<raise|nan|inf|scale<f>>[@<n>[+]][:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code ('scale1.01': values 1% off; '@3': every 3rd call; '@5+': every call from the 5th on).",
+            "Test facility: '<op>[/<module>]:<raise|nan|inf|scale<f>>[@<n>[+]][:<fwd|bwd|compile|any>][,...]' plants faults after matching nodes in compiled code ('scale1.01': values 1% off; '@3': every 3rd call; '@5+': every call from the 5th on; '/<module>': only nodes in modules matching that glob, e.g. 'enn.fp8_mm/model.layers.3.mlp.down_proj:nan:bwd'; grammar: enn_backend/fault_spec.py).",
         ),
     )
     cache_dir: str = field(

@@ -213,6 +213,32 @@ def test_no_fault_keeps_fp8_and_trains_close_to_bf16():
     _assert_close_to_bf16([p.grad for p in model.parameters()])
 
 
+class Deep(Net):
+    """Six 64 x 64 linear layers: four FP8 layers (1-4) between the first and the last."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(i, 64) for i in (32, 64, 64, 64, 64, 64))
+
+
+def test_fault_scoped_to_one_module_demotes_exactly_that_fp8_layer():
+    """``enn.fp8_mm/layers.2`` plants the backward NaN in layer 2's FP8 GEMMs only: the guard
+    demotes layer 2 and no other of the four FP8 layers (unscoped, the fault strikes all four)."""
+    model = Deep()
+    compiled = torch.compile(model, backend="enn", options={"fp8": "rowwise", "persist": False,
+                                                            "fault_inject": "enn.fp8_mm/layers.2:nan:bwd"})
+    for _ in range(2):
+        model.zero_grad()
+        compiled(_x()).backward()
+        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    assert enn_backend.report().graphs[0].fusions.get("fp8") == 12  # 4 layers x (forward + 2 gradient GEMMs)
+    pins = _pins()
+    assert any(g.endswith("backward") and mods == ["layers.2"] for g, mods in pins.items()), pins
+    assert all(mods in ([], ["layers.2"]) for mods in pins.values()), pins
+    assert not [f for f in enn_backend.report().fallbacks if f.kind == "fault_not_planted"]
+
+
 # ----------------------------------------------------------------- the guard's FP8 reference
 class Net32(Net):
     """:class:`Net` computing in fp32 (no autocast): the value checks' fp32 tolerances (rtol 1e-4)."""

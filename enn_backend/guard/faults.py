@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..blame import site
 from ..decompositions import decomposition_table
 from ..fault_spec import FaultSpec, parse_fault_specs, target_names
 from ..report import FallbackKind, report
@@ -21,7 +22,8 @@ class _Graph:
 
     phase: str  # forward | backward | inference
     reached: set[FaultSpec]  # specs planted here, or whose nodes here are pinned to eager
-    nodes: dict[FaultSpec, list[str]]  # nodes of each spec's op, whatever the phase
+    nodes: dict[FaultSpec, list[str]]  # nodes of each spec's op in its modules, whatever the phase
+    modules: dict[FaultSpec, set[str]]  # modules of each spec's op's nodes, whatever its module glob
     ops: set[str]  # op packets of the graph ("aten.addmm")
     planted: set[str]  # nodes that received a fault (of any spec)
 
@@ -41,8 +43,9 @@ class FaultPlan:
 
     Each spec that planted nothing is a WARNING and a ``fault_not_planted`` report line, with
     the likely reason: no such op, the op is decomposed before faults are planted (``aten.gelu``:
-    name an op of the decomposed graph), it appears only in graphs of another phase, or its
-    nodes have no floating-point output to spoil.
+    name an op of the decomposed graph), it appears only in graphs of another phase, none of its
+    nodes runs in a module the spec's ``/<module>`` glob matches (the modules they run in are
+    listed), or its nodes have no floating-point output to spoil.
     """
 
     def __init__(self, specs: tuple[FaultSpec, ...]) -> None:
@@ -92,19 +95,24 @@ class FaultPlan:
 def _scan(gm: Any, phase: str, specs: tuple[FaultSpec, ...], planted: list[str], pins: frozenset[str]) -> _Graph:
     # (the rule of enn_backend.guard.graph_edit.plant_faults: a node gets the first spec that applies)
     applies = [sp for sp in specs if sp.phase == "compile" or sp.applies_to(phase)]
-    graph = _Graph(phase, set(), {sp: [] for sp in specs}, set(), set(planted))
+    graph = _Graph(phase, set(), {sp: [] for sp in specs}, {sp: set() for sp in specs}, set(), set(planted))
     for n in gm.graph.nodes:
         names = target_names(n.target) if n.op == "call_function" else ()
         if not names:
             continue
         graph.ops.add(names[1])
-        for sp in specs:
-            if sp.matches_target(n.target):
+        ops = [sp for sp in specs if sp.matches_target(n.target)]
+        if not ops:
+            continue
+        module = site(n).get("module", "")
+        for sp in ops:
+            graph.modules[sp].add(module)
+            if sp.matches_module(module):
                 graph.nodes[sp].append(n.name)
         if n.name in planted:
-            graph.reached.add(next(sp for sp in applies if sp.matches_target(n.target)))
+            graph.reached.add(next(sp for sp in applies if sp.matches(n.target, module)))
         elif n.name in pins:
-            graph.reached.update(sp for sp in applies if sp.matches_target(n.target))
+            graph.reached.update(sp for sp in applies if sp.matches(n.target, module))
     return graph
 
 
@@ -124,6 +132,10 @@ def _why_not(spec: FaultSpec, graphs: list[_Graph], opts: Any) -> str:
     if found:
         return (f"{spec.op} appears only in the {' and '.join(found)} graph(s) of this unit, which phase "
                 f"{spec.phase!r} does not reach")
+    modules = sorted(set().union(*(g.modules[spec] for g in graphs)))
+    if spec.module and modules:
+        shown = ", ".join(m or "<root>" for m in modules[:8]) + (f", ... ({len(modules)} modules)" if len(modules) > 8 else "")
+        return f"no node of {spec.op} runs in a module matching {spec.module!r}; its nodes run in: {shown}"
     namespace, _, rest = spec.op.partition(".")
     name, _, overload = rest.partition(".")
     try:

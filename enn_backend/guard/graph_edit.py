@@ -161,7 +161,8 @@ def pin_nodes(gm: fx.GraphModule, names: Iterable[str], reference: Iterable[str]
 def plant_faults(
     gm: fx.GraphModule, specs: Iterable[FaultSpec], phase: str, skip: Iterable[str] = ()
 ) -> tuple[fx.GraphModule, list[str]]:
-    """Copy of ``gm`` with ``enn::fault`` planted after each matching node (not after ``skip``).
+    """Copy of ``gm`` with ``enn::fault`` planted after each matching node (not after ``skip``):
+    a node of a spec's op, in a module its ``/<module>`` glob matches (the node's site's module).
 
     Returns the new graph and the names of the nodes that got a fault.
     """
@@ -175,7 +176,9 @@ def plant_faults(
     for n in list(graph.nodes):
         if n.op != "call_function" or n.name in skip or not is_pinnable(n):
             continue
-        spec = next((s for s in specs if s.matches_target(n.target)), None)
+        ops = [s for s in specs if s.matches_target(n.target)]
+        module = blame.site(n).get("module", "") if ops else ""
+        spec = next((s for s in ops if s.matches_module(module)), None)
         if spec is None:
             continue
         out = n if isinstance(val(n), torch.Tensor) else next(
