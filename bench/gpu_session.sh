@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine: install enn (no network there), then run the named stages.
-#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision registry tests checks bench real realdefaults hostbound state padding generate fp8 cudagraphs demo)
+#   bash bench/gpu_session.sh guard epilogue       (stages: doctor guard guardinf epilogue attention precision registry tests checks bench real realdefaults hostbound state padding generate fp8 fp8train cudagraphs demo)
 #   bash bench/gpu_session.sh realdefaults:hf_bert_sdpa,hf_bert_sdpa_ckpt    (a suite stage on some of its models: stage:MODELS)
 #   bash bench/gpu_session.sh --gpus "hostbound:tv_resnet50 state" "fp8 generate"   (one stage list per GPU, in parallel; $OUT/gpuN/)
 # Each stage's output goes to $OUT/<stage>.log and its JSON to $OUT. The tools run through the
@@ -54,6 +54,8 @@ for arg in "$@"; do
     hostbound) timeout -s INT -k 15 560 python3 -m enn_backend bench --preset host-bound $ONLY --budget 420 --out "$OUT/hostbound" ;;
     state|padding|generate) timeout -s INT -k 15 560 python3 -m enn_backend bench --tool gpu_host_bound --part $stage --budget-s ${BUDGET:-420} --out "$OUT" ;;
     fp8)       timeout -s INT -k 15 560 python3 -m enn_backend bench --tool gpu_fp8_llama --out "$OUT" ${FP8_ARGS:-} ;;
+    # issue #42: FP8 loss curves against bf16's spread, faults scoped to one layer (a process each), the guard's cost
+    fp8train)  timeout -s INT -k 15 560 python3 -m enn_backend bench --tool gpu_fp8_training --out "$OUT" ${FP8TRAIN_ARGS:-} ;;
     # issue #40: the first step's time against depth (HF LLaMA d=1024), Inductor and enn blocks=on, each run a new process
     blocks)    timeout -s INT -k 15 560 python3 bench/gpu_blocks_depth.py --layers ${BLOCKS_LAYERS:-2,8,32} \
                  --variants ${BLOCKS_VARIANTS:-inductor,enn-blocks} --steps 10 --out "$OUT/blocks" ;;

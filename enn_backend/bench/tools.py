@@ -39,6 +39,7 @@ TOOLS: dict[str, tuple[str, str]] = {
     "gemm_registry": ("GPU/CPU", "GEMM epilogues: the measured kernel choice against the rules' and Inductor"),
     "gpu_precision": ("GPU", "the precision guards: step-time cost and stress cases"),
     "gpu_fp8_llama": ("GPU", "an HF LLaMA training step with fp8 off / rowwise / tensorwise"),
+    "gpu_fp8_training": ("GPU/CPU", "FP8 loss curves against bf16's spread, one-layer faults, the guard's cost with FP8"),
     "gpu_blocks_depth": ("GPU", "first step and step time against depth (2, 8, 32 layers): Inductor, enn, enn with blocks"),
     "inductor_rewrites_cost": ("CPU/GPU", "what keeping Inductor's attention rewrites off costs"),
     "distributed": ("CPU/GPUs", "DDP and FSDP2 with faults on one rank (own launcher)"),
