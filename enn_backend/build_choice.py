@@ -10,6 +10,10 @@ graph whose step waits on the host. The rule (:func:`choose`):
     share     = HOST_SHARE for a training graph, HOST_SHARE_INFERENCE for an inference graph
     a host-bound graph gets enn's launch-saving defaults; any other is built without them.
 
+Whatever the rule says, a graph holding an op the C++ wrapper cannot call
+(:func:`cpp_wrapper_refusal`: the RNG-state wrappers of a random op replayed under activation
+checkpointing) is built with the Python wrapper, decided before the build.
+
 An inference graph is a step on its own: its launch work shows as idle time as soon as it
 outgrows its kernels. A forward or backward graph of a training step launches while the other
 half's kernels (and the optimizer's) are still queued, so more of its launch work hides behind
@@ -102,14 +106,32 @@ def choose(kernels: int, device_us: float, inference: bool = False) -> bool:
     return kernels * PYTHON_WRAPPER_US_PER_KERNEL >= share(inference) * device_us
 
 
-def for_graph(defaults: dict[str, Any], estimate_: HostEstimate) -> tuple[dict[str, Any], dict[str, Any]]:
+def for_graph(defaults: dict[str, Any], estimate_: HostEstimate,
+              cannot_wrap: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
     """enn's Inductor defaults for one graph (where the rule is :data:`APPLIED`, the
-    launch-saving ones only if it is host-bound), and the choice as the report records it."""
+    launch-saving ones only if it is host-bound; never the C++ wrapper where ``cannot_wrap``
+    says why it cannot build the graph: :func:`cpp_wrapper_refusal`), and the choice as the
+    report records it."""
     kept = {k: v for k, v in defaults.items() if not APPLIED or estimate_.host_bound or k not in LAUNCH_SAVING}
+    if cannot_wrap:
+        kept.pop("cpp_wrapper", None)
+    reason = estimate_.reason() + (f"; no C++ wrapper: {cannot_wrap}" if cannot_wrap and "cpp_wrapper" in defaults else "")
     choice = {"options": {k: bool(kept.get(k, False)) for k in ("cpp_wrapper", "combo_kernels") if k in defaults},
-              "kernels": estimate_.kernels, "device_us": round(estimate_.device_us, 1), "reason": estimate_.reason(),
+              "kernels": estimate_.kernels, "device_us": round(estimate_.device_us, 1), "reason": reason,
               "applied": APPLIED}
     return kept, choice
+
+
+def cpp_wrapper_refusal(gm: fx.GraphModule) -> str:
+    """Why Inductor's C++ wrapper cannot build ``gm`` ("" where it can): a higher-order op that
+    Inductor runs as a fallback kernel, which the C++ wrapper has no call for
+    (``compat.cpp_wrapper_cannot_call``). Decided before the build: such a graph would fail in
+    Inductor's codegen and be built a second time."""
+    cannot = compat.cpp_wrapper_cannot_call()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in cannot:
+            return f"{n.name} calls {getattr(n.target, '__name__', n.target)}, a higher-order op it cannot call"
+    return ""
 
 
 def estimate(gm: fx.GraphModule, inference: bool = False) -> HostEstimate:

@@ -120,7 +120,8 @@ class GraphCompiler:
         if any(k in self.inductor_defaults for k in build_choice.LAUNCH_SAVING):
             # the launch-saving defaults only where the graph's host work pays for them (build_choice)
             self.inductor_defaults, self.record.build_choices = build_choice.for_graph(
-                self.inductor_defaults, build_choice.estimate(self.eager_gm, inference=self.phase == "inference"))
+                self.inductor_defaults, build_choice.estimate(self.eager_gm, inference=self.phase == "inference"),
+                build_choice.cpp_wrapper_refusal(self.eager_gm))
         self.built_with_cpp_wrapper = False  # whether the last build has Inductor's C++ wrapper
         self.record.nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         self.compute_nodes = len(E.candidate_nodes(self.eager_gm))

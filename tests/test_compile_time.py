@@ -13,7 +13,7 @@ import enn_backend
 from enn_backend import build_choice, compat, graph_compiler
 from enn_backend.compat.compile_events import Event, phase_of_event
 from enn_backend.compile_time import attribute
-from enn_backend.report import CompilePhase, GraphRecord, format_report
+from enn_backend.report import CompilePhase, GraphRecord, fallback_line, format_report
 
 
 def _ev(name: str, start: int, end: int, outermost: bool = False) -> Event:
@@ -217,6 +217,60 @@ def test_the_cpp_wrapper_goes_to_host_bound_graphs_only(monkeypatch):
     assert CompilePhase.CPP_WRAPPER.value not in g_large.compile_phases
     text = format_report(enn_backend.report().to_dict())
     assert "build choices:" in text and "cpp_wrapper=False (not host-bound" in text
+
+
+def test_a_graph_the_cpp_wrapper_cannot_call_is_built_without_it():
+    """A random op that AOT Autograd must replay in the backward (SDPA with dropout inside an
+    activation-checkpointed region: HF BERT with its default dropout under
+    ``gradient_checkpointing_enable()``) is wrapped in an RNG-state higher-order op, which
+    Inductor's C++ wrapper cannot call (its codegen asserts). Such a graph keeps enn's other
+    defaults but not the C++ wrapper, with the reason in its build choice, however host-bound
+    it is: built once, not failed in Inductor's codegen and built again."""
+    from torch._prims import rng_prims
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        _, y = rng_prims.run_and_save_rng_state(torch.ops.aten.rand_like.default, x)
+        return y * x
+
+    gm = make_fx(f)(torch.randn(4))
+    why = build_choice.cpp_wrapper_refusal(gm)
+    assert why.startswith("run_and_save_rng_state calls run_and_save_rng_state"), why
+    assert build_choice.cpp_wrapper_refusal(make_fx(lambda x: x * 2)(torch.randn(4))) == ""
+    defaults = {"cpp_wrapper": True, "combo_kernels": True}
+    host_bound = build_choice.HostEstimate(kernels=10, device_us=100.0)
+    kept, choice = build_choice.for_graph(defaults, host_bound, why)
+    assert kept == {"combo_kernels": True}
+    assert choice["options"] == {"cpp_wrapper": False, "combo_kernels": True}
+    assert choice["reason"].startswith("host-bound") and f"; no C++ wrapper: {why}" in choice["reason"]
+    assert build_choice.for_graph(defaults, host_bound, "")[0] == defaults
+
+
+@pytest.mark.gpu
+def test_on_cuda_sdpa_dropout_under_checkpointing_is_built_once():
+    """CUDA, enn's defaults: SDPA with dropout inside a non-reentrant checkpoint. Its graphs
+    hold ``graphsafe_run_with_rng_state`` and are built without the C++ wrapper at once: no
+    compile_error fallback (the C++ wrapper's codegen asserts on that op)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from torch.utils.checkpoint import checkpoint
+
+    lin = torch.nn.Linear(64, 192, device="cuda", dtype=torch.bfloat16)
+
+    def block(y):
+        q, k, v = lin(y).view(2, 128, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    def step(x):
+        return checkpoint(block, x, use_reentrant=False).float().sum()
+
+    x = torch.randn(2, 128, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    torch.compile(step, backend="enn")(x).backward()
+    rep = enn_backend.report()
+    assert [f.kind for f in rep.fallbacks] == [], [fallback_line(f) for f in rep.fallbacks]
+    assert any("no C++ wrapper: " in g.build_choices.get("reason", "") for g in rep.graphs), \
+        [g.build_choices for g in rep.graphs]
+    assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 @pytest.mark.gpu

@@ -39,7 +39,8 @@ from .dynamo_aot import (  # noqa: F401
 from .flex import (  # noqa: F401
     cpu_flex_needs_distinct_buffers, flex_attention_hop, flex_dense_to_ordered, flex_kernel_options)
 from .inductor import (  # noqa: F401
-    CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, cpp_wrapper_config,
+    CustomGraphPass, clear_inductor_memory_caches, compile_fx, compile_fx_inner, cpp_wrapper_cannot_call,
+    cpp_wrapper_config,
     device_builds_skip_vec_isa_probe, dynamo_counters,
     fallback_lowering, fx_graph_cache_counters, hash_files, inductor_cache_dir, inductor_compile_fx, inductor_config,
     ir_elements, lowering_graph,

@@ -115,6 +115,18 @@ def _config_value(key: str) -> Any:
     return obj
 
 
+def cpp_wrapper_cannot_call() -> frozenset[Any]:
+    """Higher-order ops that Inductor runs as fallback kernels and its C++ wrapper cannot call:
+    its fallback codegen asserts an ``OpOverload`` (``cpp_wrapper_cpu.py``; met on torch 2.11,
+    the same assert on 2.13). These are the RNG-state wrappers AOT Autograd puts around random
+    ops, e.g. a dropout inside an activation-checkpointed region on CUDA
+    (``graphsafe_run_with_rng_state``)."""
+    from torch._prims import rng_prims
+
+    names = ("run_and_save_rng_state", "run_with_rng_state", "graphsafe_run_with_rng_state", "run_dtensor_rng_op")
+    return frozenset(op for op in (getattr(rng_prims, n, None) for n in names) if op is not None)
+
+
 @contextlib.contextmanager
 def cpp_wrapper_config(on: bool) -> Iterator[None]:
     """Inductor's config for a graph built with the C++ wrapper (``on``), or with the Python
