@@ -149,7 +149,7 @@ class Options:
         default=50,
         metadata=_meta(
             "ENN_GUARD_EVERY",
-            "After the warm-up calls, check a graph's outputs for NaN/Inf on every N-th call (exceptions are always caught).",
+            "After the warm-up calls, check a graph's outputs for NaN/Inf on every N-th call (exceptions are always caught); 1: every call, synchronously (on a GPU none is read a call late).",
             codegen=False,
         ),
     )

@@ -13,7 +13,7 @@ import enn_backend
 from enn_backend.guard.dynamo_reference import DynamoReference
 from enn_backend.guard.runtime import GuardedGraph
 from enn_backend.guard.schedule import Action, Schedule
-from enn_backend.guard.screen import finite_close, same_nonfinite, same_values
+from enn_backend.guard.screen import compiled_is_worse, finite_close, same_nonfinite, same_values
 
 from _models import make
 
@@ -53,6 +53,7 @@ B, H, S, L, V = Action.BARE, Action.HOLD, Action.SCREEN, Action.SCREEN_LATER, Ac
     (DEFAULTS, 1001, 1, False, False, S),
     (FEW, 4, 4, True, False, B),
     (FEW, 10, 10, True, True, L),
+    (replace(FEW, every=1), 10, 10, True, True, S),  # every call screened: none read late
     (FEW, 25, 25, True, True, V),
     (replace(FEW, value_every=0), 25, 25, True, False, B),  # value checks off (random draws, or ranks)
     (replace(FEW, value_every=0), 1, 1, True, False, S),
@@ -138,6 +139,33 @@ def test_same_values_within_and_beyond_the_tolerance(dtype):
         assert same_values(a, b) is same, delta
     assert same_values(b * (1 + 0.9e-4), b) and not same_values(b * (1 + 1.1e-4) + 3.1e-3, b)
     assert not same_values(b, b.to(torch.float16))  # another dtype
+
+
+def test_low_precision_values_are_also_compared_as_a_whole():
+    """bf16: every element may move by the wide band (5e-2) that rounding and reordered sums need,
+    but a tensor off by a few percent everywhere -- a drifted kernel, x1.05 -- moves its whole
+    L2 norm by that share, and fails; rounding noise of the same size per element does not."""
+    g = torch.Generator().manual_seed(0)
+    b = torch.randn(64, 64, generator=g).to(torch.bfloat16)
+    assert not same_values(b * 1.05, b) and not finite_close(b * 1.05, b)
+    noise = (b.float() * (1 + 4e-3 * torch.randn(64, 64, generator=g))).to(torch.bfloat16)
+    assert same_values(noise, b) and finite_close(noise, b)
+    # fp32 keeps its elementwise band alone (tight enough), and near-zero tensors their floor
+    assert same_values(_t([1e-7, -2e-7]) * 1.5, _t([1e-7, -2e-7]))
+    assert same_values(_t([3e-6, -2e-6], torch.bfloat16), _t([1e-6, -1e-6], torch.bfloat16))
+
+
+def test_a_drifted_result_is_judged_worse_even_where_the_reference_rounds_coarsely():
+    """The fp64 judge: a result scaled by 1.05 is worse than a reference whose own rounding
+    (an FP8 GEMM's, 3 mantissa bits) is larger than the drift's RMSE allows for; rounding of the
+    same size as the reference's is not."""
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(64, 64, generator=g, dtype=torch.float64) * 0.2
+    ref = (exact * (1 + 0.06 * torch.randn(64, 64, generator=g, dtype=torch.float64))).to(torch.bfloat16)
+    drifted = (exact * 1.05).to(torch.bfloat16)
+    rounded = (exact * (1 + 0.06 * torch.randn(64, 64, generator=g, dtype=torch.float64))).to(torch.bfloat16)
+    assert compiled_is_worse(drifted, ref, exact.to(torch.bfloat16), low_precision=True)
+    assert not compiled_is_worse(rounded, ref, exact.to(torch.bfloat16), low_precision=True)
 
 
 def test_same_values_compares_nonfinite_places_exactly():

@@ -13,13 +13,17 @@ Call ``n`` of a graph, ``k`` calls since its artifact was built (or its warm-up 
       │                                                      HOLD   ("exceptions" mode: its inputs
       │                                                             kept, so that a fault can be re-run)
       └─ yes ─► values due, or mode "values" ──────────────► VALUES  screened, then compared with eager
-                past the warm-up, outputs on one GPU ──────► SCREEN_LATER  screened on the GPU, read on
+                past the warm-up, outputs on one GPU,
+                guard_every > 1 ───────────────────────────► SCREEN_LATER  screened on the GPU, read on
                                                                            the next call (no host sync)
                 otherwise ─────────────────────────────────► SCREEN  outputs and writes screened for NaN/Inf
 
     next due: the next call while calls are held, a late screen waits or k < max(guard_warmup, 1);
               else the next multiple of guard_every or guard_values, whichever comes first.
               The calls before it are bare and cost one comparison.
+
+``guard_every=1`` asks for every call to be screened: none is sampled, and none is read late, so
+a NaN/Inf never leaves the call that made it (a host sync per call: the price of that promise).
 
 A fault found on any of them goes down the fallback ladder (guard/ladder.py); adopting a new
 artifact restarts the warm-up. Mode "exceptions" checks no output: every call is HOLD. Graphs that
@@ -74,7 +78,7 @@ class Schedule:
             return Action.HOLD if self.keep_inputs else Action.BARE
         if values or self.values_always:
             return Action.VALUES
-        return Action.SCREEN_LATER if not warm and screen_later else Action.SCREEN
+        return Action.SCREEN_LATER if not warm and screen_later and self.every > 1 else Action.SCREEN
 
     def next_due(self, n: int, k: int, late_pending: bool) -> int:
         """The first call after call ``n`` that is not BARE (or that must read a late screen)."""
