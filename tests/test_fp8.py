@@ -183,7 +183,8 @@ def _assert_close_to_bf16(grads: list[torch.Tensor]) -> None:
 
 @pytest.mark.parametrize("spec, phase", [("enn.fp8_mm:nan:bwd", "backward"),
                                          ("enn.fp8_mm:inf:fwd", "forward"),
-                                         ("enn.fp8_mm:scale1.5:fwd", "forward")])
+                                         ("enn.fp8_mm:scale1.5:fwd", "forward"),
+                                         ("enn.fp8_mm:scale1.05:fwd", "forward")])
 def test_injected_fault_demotes_only_the_fp8_layer(spec, phase, tmp_path):
     model = _train({"fp8": "rowwise", "fault_inject": spec})
     grads = [p.grad for p in model.parameters()]
