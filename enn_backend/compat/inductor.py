@@ -115,6 +115,7 @@ def _config_value(key: str) -> Any:
     return obj
 
 
+@functools.cache
 def cpp_wrapper_cannot_call() -> frozenset[Any]:
     """Higher-order ops that Inductor runs as fallback kernels and its C++ wrapper cannot call:
     its fallback codegen asserts an ``OpOverload`` (``cpp_wrapper_cpu.py``; met on torch 2.11,

@@ -17,11 +17,12 @@ backward has run).
 **What the reference writes.** The Dynamo graph runs on copies of everything the unit writes,
 taken before the compiled call: the compiled call writes the caller's tensors once, and the
 reference never does. Nor does it show the caller's saved-tensor hooks what its autograd run
-saves: those hooks see the step's own saved tensors, as with the guard off. What the unit writes comes from AOT Autograd's mutation metadata
-(functionalization: a BatchNorm's running statistics, foreach updates, writes through views),
-never from op schemas alone. Where that metadata is missing, every tensor input and module
-attribute is copied (counted as ``guard.dynamo_reference_copies_all``); where the copies do not
-fit in memory, the reference is switched off for the unit (logged, counted).
+saves: those hooks see the step's own saved tensors, as with the guard off. What the unit
+writes comes from AOT Autograd's mutation metadata (functionalization: a BatchNorm's running
+statistics, foreach updates, writes through views), never from op schemas alone. Where that
+metadata is missing, every tensor input and module attribute is copied (counted as
+``guard.dynamo_reference_copies_all``); where the copies do not fit in memory, the reference is
+switched off for the unit (logged, counted).
 
 A disagreement is judged by an fp64 run of the Dynamo graph (``screen.compiled_is_worse``):
 
@@ -110,16 +111,12 @@ def _own_saved_tensors() -> Iterator[None]:
     counter) are for the step they wrap, and must see what it saves, not a second run of it made
     by the guard. Where torch forbids entering hooks (a transform that disables them), the run
     goes as it is."""
-    hooks = torch.autograd.graph.saved_tensors_hooks(_same, _same)
-    try:
-        hooks.__enter__()
-    except RuntimeError:
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_same, _same))
+        except RuntimeError:
+            pass
         yield
-        return
-    try:
-        yield
-    finally:
-        hooks.__exit__(None, None, None)
 
 
 def fp64_dynamo_graph(gm: fx.GraphModule) -> fx.GraphModule:
